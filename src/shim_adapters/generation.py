@@ -1,0 +1,143 @@
+"""Masked generation through ``transformers``: one MaskerState per batch row.
+
+:class:`MaskedLogitsProcessor` is a plain ``LogitsProcessor`` (drop it into any
+``LogitsProcessorList``). Each call it advances every row's state by the token the model just
+emitted, masks the row's logits to the allowed set, and, when given a :class:`LogitAdjuster`
+(SHIM's controller), adds log γ̂ to the allowed tokens only. A row with no allowed token before
+the grammar accepts raises :class:`DeadEndError` with the state that led there: generation fails
+closed and never continues unconstrained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+from transformers import LogitsProcessor
+
+from .errors import DeadEndError, VocabMismatchError
+from .protocol import Masker, MaskerState
+
+#: Sampling that follows the LM: temperature 1, top-p 1, no top-k (transformers defaults top_k=50).
+FAITHFUL_SAMPLING = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+
+
+class LogitAdjuster(Protocol):
+    """Re-weights the allowed tokens of each row; returns log γ̂ per allowed token."""
+
+    def log_gamma(self, states: Sequence[MaskerState],
+                  allowed: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+        """For row i: a float array aligned with ``allowed[i]`` (token ids), finite values."""
+
+
+class MaskedLogitsProcessor(LogitsProcessor):
+    """Constrains each row to its masker state; optionally applies SHIM's log γ̂."""
+
+    def __init__(self, states: Sequence[MaskerState], adjuster: LogitAdjuster | None = None):
+        if not states:
+            raise ValueError("MaskedLogitsProcessor needs one MaskerState per batch row")
+        self.states = list(states)
+        self.adjuster = adjuster
+        self._prompt_length: int | None = None
+
+    def reset(self, states: Sequence[MaskerState]) -> None:
+        """Start over with fresh states (a new ``generate`` call)."""
+        self.states = list(states)
+        self._prompt_length = None
+
+    def _sync(self, input_ids: torch.LongTensor) -> None:
+        """Advance each unfinished row by the tokens generated since the last call."""
+        if self._prompt_length is None:
+            self._prompt_length = input_ids.shape[1]
+            return
+        new = input_ids[:, self._prompt_length:].tolist()
+        for state, row in zip(self.states, new):
+            for token in row[state.step:]:
+                if state.is_finished:
+                    break  # transformers pads finished rows; nothing more to consume
+                state.advance(int(token))
+
+    def allowed_masks(self) -> np.ndarray:
+        """(batch, vocab) bool masks; finished rows allow only EOS so sampling stays defined."""
+        masks = []
+        for row, state in enumerate(self.states):
+            if state.is_finished:
+                mask = np.zeros(state.masker.vocab_size, dtype=bool)
+                mask[min(state.masker.eos_token_ids)] = True
+            else:
+                mask = state.allowed_mask()
+                if not mask.any():
+                    raise DeadEndError(state.step, state.describe(), row=row)
+            masks.append(mask)
+        return np.stack(masks)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[0] != len(self.states):
+            raise ValueError(f"batch has {input_ids.shape[0]} rows but the processor holds "
+                             f"{len(self.states)} masker states (beam search and "
+                             f"num_return_sequences>1 are not supported: use one state per row)")
+        width = self.states[0].masker.vocab_size
+        if scores.shape[-1] != width:
+            raise VocabMismatchError(f"model logits have width {scores.shape[-1]} but the masker "
+                                     f"was compiled for {width}")
+        self._sync(input_ids)
+        mask = torch.from_numpy(self.allowed_masks()).to(scores.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.adjuster is not None:
+            scores = self._apply_adjuster(scores, mask)
+        return scores
+
+    def _apply_adjuster(self, scores: torch.FloatTensor, mask: torch.Tensor) -> torch.FloatTensor:
+        live = [i for i, s in enumerate(self.states) if not s.is_finished]
+        if not live:
+            return scores
+        allowed = [np.flatnonzero(mask[i].cpu().numpy()) for i in live]
+        log_gammas = self.adjuster.log_gamma([self.states[i] for i in live], allowed)
+        for i, ids, lg in zip(live, allowed, log_gammas):
+            lg_t = torch.as_tensor(np.asarray(lg), dtype=scores.dtype, device=scores.device)
+            if lg_t.shape != (len(ids),) or not torch.isfinite(lg_t).all():
+                raise ValueError(f"adjuster returned {tuple(lg_t.shape)} values (finite required) "
+                                 f"for {len(ids)} allowed tokens at row {i}")
+            index = torch.as_tensor(ids, device=scores.device)
+            scores[i, index] += lg_t
+        return scores
+
+
+@dataclass
+class MaskedGeneration:
+    """Outputs of :func:`generate_masked`, one entry per sample."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    #: True where the grammar accepted and EOS was emitted; False: hit max_new_tokens first.
+    complete: list[bool]
+    states: list[MaskerState]
+
+
+def generate_masked(model, tokenizer, masker: Masker, prompt: str, num_samples: int, *,
+                    max_new_tokens: int = 128, adjuster: LogitAdjuster | None = None,
+                    seed: int | None = None, **generate_kwargs) -> MaskedGeneration:
+    """Sample ``num_samples`` constrained completions of ``prompt`` in one batch."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    states = [masker.new_state() for _ in range(num_samples)]
+    processor = MaskedLogitsProcessor(states, adjuster=adjuster)
+    encoded = tokenizer([prompt] * num_samples, return_tensors="pt")
+    eos = sorted(masker.eos_token_ids)
+    kwargs = dict(FAITHFUL_SAMPLING, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                  pad_token_id=eos[0], logits_processor=[processor])
+    kwargs.update(generate_kwargs)
+    with torch.no_grad():
+        out = model.generate(**encoded, **kwargs)
+    processor._sync(out)  # consume the final token of every row
+    prompt_len = encoded["input_ids"].shape[1]
+    token_ids = [[t for t in s.token_ids] for s in states]
+    del out, prompt_len
+    return MaskedGeneration(
+        texts=[s.text() for s in states],
+        token_ids=token_ids,
+        complete=[s.is_finished for s in states],
+        states=states,
+    )
