@@ -1,0 +1,57 @@
+"""Registers the ``outlines`` backend: the engines outlines 1.3 itself dispatches to.
+
+Regex and JSON schema go to outlines_core (exact DFA state); Lark and EBNF grammars go to
+llguidance (features derived by a shadow LALR parser). ``create_masker`` picks by format.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from shim_adapters.backends import BackendSpec
+from shim_adapters.errors import UnsupportedGrammarError
+from shim_adapters.grammar import Grammar
+from shim_adapters.hookspecs import hookimpl
+from shim_adapters.protocol import Masker
+
+from .cfg_masker import DERIVED_STATUS, LLGuidanceMasker
+from .regex_masker import FEATURE_STATUS as REGEX_FEATURE_STATUS
+from .regex_masker import OutlinesCoreMasker
+
+GRAMMAR_FORMATS = ("lark", "ebnf", "regex", "json_schema")
+
+
+def create_masker(grammar: Grammar, tokenizer, vocab_size: int | None = None,
+                  **options) -> Masker:
+    """Compile ``grammar`` with the engine outlines uses for its format.
+
+    Options: ``eos_token_ids``; ``whitespace_pattern`` (JSON schema); ``shadow_parser``
+    (CFGs, default True); ``mask_cache_size`` (regex/JSON).
+    """
+    if grammar.format in OutlinesCoreMasker.grammar_formats:
+        return OutlinesCoreMasker(grammar, tokenizer, vocab_size, **options)
+    if grammar.format in LLGuidanceMasker.grammar_formats:
+        return LLGuidanceMasker(grammar, tokenizer, vocab_size, **options)
+    raise UnsupportedGrammarError(f"the outlines backend takes {', '.join(GRAMMAR_FORMATS)}, "
+                                  f"not {grammar.format!r}", grammar_name=grammar.name)
+
+
+def backend_spec() -> BackendSpec:
+    regex_status = ", ".join(f"{k} {v.value}" for k, v in REGEX_FEATURE_STATUS.items())
+    return BackendSpec(
+        name="outlines",
+        version=f"outlines_core {version('outlines_core')}; llguidance {version('llguidance')}",
+        grammar_formats=GRAMMAR_FORMATS,
+        # Per-masker status is authoritative (Masker.feature_status); this is the CFG case.
+        feature_status=dict(DERIVED_STATUS),
+        create_masker=create_masker,
+        description=("outlines' engines: regex/json_schema via outlines_core (DFA state; "
+                     f"{regex_status}); "
+                     "lark/ebnf via llguidance (all three features derived by a shadow Lark "
+                     "LALR parser, or missing if the grammar is not LALR(1))"),
+    )
+
+
+@hookimpl
+def register_backends(register):
+    register(backend_spec())

@@ -1,0 +1,258 @@
+"""The XGrammar masker: one grammar compiled for one tokenizer, one matcher per sequence.
+
+Masks come from ``GrammarMatcher.fill_next_token_bitmask`` (a packed int32 bitmask, unpacked
+with numpy, never a Python loop over the vocabulary). EOS is allowed exactly when the matcher
+is completed; ids beyond the tokenizer (logit padding) are always masked; after EOS the state
+is finished and the mask is all False (XGrammar raises if filled after termination).
+
+Features (DESIGN.md section 2), read from the matcher's debug dump (see ``internal_state``):
+- parser_state, exact: the Earley items that can consume the next byte, e.g. ``r3.s1.e2@5/0``;
+  the start position carries nesting depth (``start_positions`` picks absolute, relative or
+  none).
+- lexer_state, exact: XGrammar is scannerless, so "inside a lexeme" is the FSM node inside a
+  rule: pairs (``rule_name.e<element_id>``, sub_element_id).
+- partial_lexeme, missing: literals are merged into per-rule FSMs, so where the current
+  literal began is not visible.
+If the dump format is not recognised (a newer XGrammar), parser_state falls back to a derived
+readout (a digest of the mask and the forced continuation), lexer_state becomes missing, and a
+warning says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import re
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from shim_adapters.errors import GrammarError, UnsupportedGrammarError, VocabMismatchError
+from shim_adapters.grammar import Grammar
+from shim_adapters.grammar_convert import convert
+from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
+from shim_adapters.tokenizer_identity import TokenizerIdentity
+
+from .internal_state import START_POSITION_MODES, InternalState, parse_internal_state
+
+GRAMMAR_FORMATS = ("ebnf", "json_schema", "regex", "lark")
+#: What this backend provides when XGrammar's debug dump is in the known format.
+DECLARED_FEATURES: Mapping[str, FeatureStatus] = {
+    "parser_state": FeatureStatus.EXACT,
+    "lexer_state": FeatureStatus.EXACT,
+    "partial_lexeme": FeatureStatus.MISSING,
+}
+#: What it provides when the dump is not recognised.
+FALLBACK_FEATURES: Mapping[str, FeatureStatus] = {
+    "parser_state": FeatureStatus.DERIVED,
+    "lexer_state": FeatureStatus.MISSING,
+    "partial_lexeme": FeatureStatus.MISSING,
+}
+
+
+def xgrammar_version() -> str:
+    return importlib.metadata.version("xgrammar")
+
+
+# ---- compiler cache: one TokenizerInfo + GrammarCompiler per tokenizer identity -------------
+_COMPILERS: "OrderedDict[tuple, object]" = OrderedDict()
+_COMPILERS_LOCK = threading.Lock()
+_MAX_COMPILERS = 8
+
+
+def compiler_for(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+    """The GrammarCompiler for this tokenizer (by content hash), logits width and stop ids."""
+    import xgrammar as xgr
+
+    key = (TokenizerIdentity.of(tokenizer).sha256, vocab_size, tuple(sorted(stop_token_ids)))
+    with _COMPILERS_LOCK:
+        if key in _COMPILERS:
+            _COMPILERS.move_to_end(key)
+            return _COMPILERS[key]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=list(stop_token_ids))
+    compiler = xgr.GrammarCompiler(info)
+    with _COMPILERS_LOCK:
+        _COMPILERS[key] = compiler
+        while len(_COMPILERS) > _MAX_COMPILERS:
+            _COMPILERS.popitem(last=False)
+    return compiler
+
+
+_LINE_COL = re.compile(r"line (\d+), column (\d+)")
+
+
+def _compile(compiler, grammar: Grammar, ebnf_text: str | None):
+    try:
+        if grammar.format == "json_schema":
+            return compiler.compile_json_schema(grammar.text)
+        if grammar.format == "regex":
+            return compiler.compile_regex(grammar.text)
+        return compiler.compile_grammar(ebnf_text)
+    except (RuntimeError, ValueError) as exc:
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        message = re.sub(r"^\[[0-9:]+\] \S+: ", "", message)
+        where = _LINE_COL.search(message)
+        raise GrammarError(f"XGrammar cannot compile this {grammar.format} grammar: {message}",
+                           grammar_name=grammar.name,
+                           line=int(where.group(1)) if where else None,
+                           column=int(where.group(2)) if where else None) from exc
+
+
+class XGrammarMasker(Masker):
+    backend_name = "xgrammar"
+    grammar_formats = GRAMMAR_FORMATS
+
+    def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None, *,
+                 stop_token_ids: Sequence[int] | None = None,
+                 start_positions: str = "absolute"):
+        import xgrammar as xgr
+
+        if grammar.format not in GRAMMAR_FORMATS:
+            raise UnsupportedGrammarError(f"xgrammar takes {', '.join(GRAMMAR_FORMATS)}, not "
+                                          f"{grammar.format}", grammar_name=grammar.name)
+        if start_positions not in START_POSITION_MODES:
+            raise ValueError(f"start_positions must be one of {START_POSITION_MODES}")
+        self.backend_version = xgrammar_version()
+        self.grammar = grammar
+        self.tokenizer = tokenizer
+        self.tokenizer_size = len(tokenizer)
+        self.vocab_size = int(vocab_size) if vocab_size is not None else self.tokenizer_size
+        if self.vocab_size < self.tokenizer_size:
+            raise VocabMismatchError(f"logits width {self.vocab_size} is smaller than the "
+                                     f"tokenizer's {self.tokenizer_size} tokens")
+        if stop_token_ids is None:
+            if tokenizer.eos_token_id is None:
+                raise VocabMismatchError("the tokenizer has no eos_token_id; pass stop_token_ids")
+            stop_token_ids = [tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
+        self.start_positions = start_positions
+
+        #: Capability report: ("exact",) or what the Lark -> EBNF conversion lowered.
+        self.conversion_notes: tuple[str, ...] = ("exact",)
+        ebnf_text = grammar.text if grammar.format == "ebnf" else None
+        if grammar.format == "lark":
+            converted = convert(grammar, "ebnf")
+            self.conversion_notes = converted.notes
+            ebnf_text = converted.grammar.text
+            if not converted.exact:
+                warnings.warn(f"{grammar.name}: lowered for XGrammar: "
+                              f"{'; '.join(converted.notes)}", stacklevel=2)
+        self.compiler = compiler_for(tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.compiled = _compile(self.compiler, grammar, ebnf_text)
+        self._xgr = xgr
+        self._bitmask_shape = xgr.get_bitmask_shape(1, self.vocab_size)
+        #: rule_id -> rule name, read from the compiled grammar's printed form (ids follow it).
+        self.rule_names: tuple[str, ...] = tuple(
+            line.split(" ::= ", 1)[0] for line in str(self.compiled.grammar).splitlines()
+            if " ::= " in line)
+        self.feature_status = dict(DECLARED_FEATURES)
+        probe = xgr.GrammarMatcher(self.compiled)
+        if parse_internal_state(probe._debug_print_internal_state()) is None:
+            self._use_fallback_features("at start")
+
+    def _use_fallback_features(self, where: str) -> None:
+        if self.feature_status != FALLBACK_FEATURES:
+            warnings.warn(f"XGrammar {self.backend_version}: unrecognised internal-state dump "
+                          f"({where}); parser_state is derived from the mask, lexer_state is "
+                          "missing", RuntimeWarning, stacklevel=3)
+            self.feature_status = dict(FALLBACK_FEATURES)
+
+    @functools.cached_property
+    def decoded_vocab(self) -> list[bytes]:
+        """Token bytes as XGrammar sees them (its property rebuilds the list on every access)."""
+        return list(self.compiled.tokenizer_info.decoded_vocab)
+
+    def new_state(self) -> "XGrammarState":
+        return XGrammarState(self, self._xgr.GrammarMatcher(self.compiled), [], False)
+
+    def rule_name(self, rule_id: int) -> str:
+        if 0 <= rule_id < len(self.rule_names):
+            return self.rule_names[rule_id]
+        return f"rule{rule_id}"
+
+
+class XGrammarState(MaskerState):
+    def __init__(self, masker: XGrammarMasker, matcher, token_ids: list[int], finished: bool):
+        self.masker = masker
+        self._matcher = matcher
+        self._token_ids = token_ids
+        self._finished = finished
+        self._bitmask = np.zeros(masker._bitmask_shape, dtype=np.int32)
+
+    # ---- mask ------------------------------------------------------------------------------
+    def _fill(self) -> np.ndarray:
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask
+
+    def allowed_mask(self) -> np.ndarray:
+        masker = self.masker
+        if self._finished:
+            return np.zeros(masker.vocab_size, dtype=bool)
+        mask = np.unpackbits(self._fill().view(np.uint8), count=masker.vocab_size,
+                             bitorder="little").view(bool)
+        mask[masker.tokenizer_size:] = False
+        mask[masker._eos_array] = self._matcher.is_completed()
+        return mask
+
+    def eos_allowed(self) -> bool:
+        return not self._finished and self._matcher.is_completed()
+
+    # ---- transitions -----------------------------------------------------------------------
+    def advance(self, token_id: int) -> None:
+        token_id = int(token_id)
+        if (self._finished or not 0 <= token_id < self.masker.tokenizer_size
+                or not self._matcher.accept_token(token_id)):
+            raise self._forbidden(token_id)
+        self._token_ids.append(token_id)
+        if token_id in self.masker.eos_token_ids:
+            self._finished = True
+
+    def fork(self) -> "XGrammarState":
+        return XGrammarState(self.masker, self._matcher.fork(), list(self._token_ids),
+                             self._finished)
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        return tuple(self._token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished
+
+    # ---- features --------------------------------------------------------------------------
+    def internal_state(self) -> InternalState | None:
+        """The parsed Earley items, or None when the dump format is not recognised."""
+        return parse_internal_state(self._matcher._debug_print_internal_state())
+
+    def features(self) -> StateFeatures:
+        masker = self.masker
+        if self._finished:
+            return StateFeatures(
+                parser_state=(), partial_lexeme=None,
+                lexer_state=None if masker.feature_status["lexer_state"] is FeatureStatus.MISSING
+                else frozenset(), extra={"finished": True})
+        state = None
+        if masker.feature_status["parser_state"] is FeatureStatus.EXACT:
+            state = self.internal_state()
+            if state is None:
+                masker._use_fallback_features(f"at step {self.step}")
+        if state is None:
+            digest = hashlib.blake2b(self._fill().tobytes(), digest_size=8).hexdigest()
+            forced = self._matcher.find_jump_forward_string()
+            return StateFeatures(parser_state=(f"mask:{digest}", f"forced:{forced}"),
+                                 extra={"completed": self._matcher.is_completed()})
+        mode = masker.start_positions
+        parser_state = tuple(dict.fromkeys(item.render(state.position, mode)
+                                           for item in state.items))
+        lexer_state = frozenset(
+            (f"{masker.rule_name(item.rule_id)}.e{item.element_id}", item.sub_element_id)
+            for item in state.items)
+        return StateFeatures(parser_state=parser_state, lexer_state=lexer_state,
+                             partial_lexeme=None,
+                             extra={"position": state.position, "n_items": len(state.items)})

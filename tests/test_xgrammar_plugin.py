@@ -1,0 +1,324 @@
+"""The XGrammar plugin against independent references: masks, EOS, padding, fork, features."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grammar_sampling import GrammarSampler
+from shim_adapters.errors import ForbiddenTokenError, GrammarError, UnsupportedGrammarError
+from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
+from shim_adapters.plugins import get_backend
+from shim_adapters.protocol import FeatureStatus
+from shim_adapters.reference import reference_acceptor
+
+xgr = pytest.importorskip("xgrammar")
+from shim_xgrammar import parse_internal_state  # noqa: E402
+from shim_xgrammar.masker import FALLBACK_FEATURES  # noqa: E402
+
+BV4_EBNF = Path("/work/shared/benchmarks/BV4/find_inv_eq_bvand_4bit.ebnf")
+PADDING = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The shipped LM's tokenizer once it is there, else GPT-2 built offline."""
+    from shim_adapters import lm
+
+    if (lm.default_lm_path() / "tokenizer.json").is_file():
+        return lm.load_lm(None).tokenizer
+    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+
+    return load_offline_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def compile_grammar(tokenizer):
+    spec = get_backend("xgrammar")
+    cache = {}
+
+    def compile_(grammar: Grammar, **options):
+        key = (grammar, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = spec.compile(grammar, tokenizer, len(tokenizer) + PADDING, **options)
+        return cache[key]
+
+    return compile_
+
+
+GRAMMARS = {name: (lambda n=name: builtin_grammar(n)) for name in sorted(BUILTIN_GRAMMARS)}
+GRAMMARS["bv4_ebnf"] = lambda: load_grammar(BV4_EBNF)
+
+
+def test_entry_point_registers_backend():
+    points = importlib.metadata.entry_points(group="shim_adapters")
+    assert any(p.name == "xgrammar" and p.value == "shim_xgrammar.plugin" for p in points)
+    spec = get_backend("xgrammar")
+    assert spec.version == importlib.metadata.version("xgrammar")
+    assert set(spec.grammar_formats) == {"ebnf", "json_schema", "regex", "lark"}
+    assert spec.feature_status["partial_lexeme"] is FeatureStatus.MISSING
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_random_walks_agree_with_reference(name, compile_grammar):
+    grammar = GRAMMARS[name]()
+    masker = compile_grammar(grammar)
+    reference = reference_acceptor(grammar)
+    rng = random.Random(7)
+    finished = 0
+    for _ in range(6):
+        state = masker.new_state()
+        for _step in range(80):
+            mask = state.allowed_mask()
+            text = state.text()
+            assert state.eos_allowed() == reference.accepts(text), text
+            assert not mask[masker.tokenizer_size:].any()  # padding never allowed
+            for eos in masker.eos_token_ids:
+                assert mask[eos] == state.eos_allowed()
+            allowed = np.flatnonzero(mask)
+            assert len(allowed) > 0, f"dead end at {text!r}"
+            if state.eos_allowed() and rng.random() < 0.3:
+                state.advance(next(iter(masker.eos_token_ids)))
+                break
+            state.advance(int(rng.choice(allowed)))
+            if state.is_finished:  # the draw itself may be EOS
+                break
+        if state.is_finished:
+            finished += 1
+            assert reference.accepts(state.text())
+            assert not state.allowed_mask().any()
+    if name != "sql":  # uniform draws over 50k tokens rarely close SQL's names and strings
+        assert finished > 0
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_grammar_strings_and_near_misses_follow_reference(name, compile_grammar, tokenizer):
+    """Valid strings stay generatable token by token; invalid ones are stopped."""
+    grammar = GRAMMARS[name]()
+    masker = compile_grammar(grammar)
+    reference = reference_acceptor(grammar)
+    sampler = GrammarSampler(grammar, seed=3)
+    rejected = 0
+    for _ in range(15):
+        text = sampler.sample()
+        for candidate in (text, sampler.mutate(text)):
+            expected = reference.accepts(candidate)
+            state = masker.new_state()
+            ok = True
+            for token in tokenizer.encode(candidate, add_special_tokens=False):
+                if not state.allowed_mask()[token]:
+                    with pytest.raises(ForbiddenTokenError):
+                        state.advance(token)
+                    ok = False
+                    break
+                state.advance(token)
+            ok = ok and state.eos_allowed()
+            rejected += not ok
+            assert ok == expected, candidate
+    assert rejected > 0
+
+
+def test_xgrammar_own_matcher_agrees_on_converted_builtins(compile_grammar):
+    """The EBNF the converter emits, run by XGrammar's own matcher, vs Lark on the original."""
+    for name in sorted(BUILTIN_GRAMMARS):
+        grammar = builtin_grammar(name)
+        masker = compile_grammar(grammar)
+        sampler = GrammarSampler(grammar, seed=11)
+        for _ in range(20):
+            for text in (sampler.sample(), sampler.mutate(sampler.sample())):
+                matcher = xgr.GrammarMatcher(masker.compiled)
+                got = matcher.accept_string(text) and matcher.is_completed()
+                assert got == reference_acceptor(grammar).accepts(text), (name, text)
+
+
+def test_eos_and_finished_state(compile_grammar, tokenizer):
+    masker = compile_grammar(builtin_grammar("binary5"))
+    eos = next(iter(masker.eos_token_ids))
+    state = masker.new_state()
+    with pytest.raises(ForbiddenTokenError, match="step 0"):
+        state.advance(eos)
+    for token in tokenizer.encode("1011", add_special_tokens=False):
+        state.advance(token)
+    assert not state.eos_allowed() and not state.allowed_mask()[eos]
+    state.advance(tokenizer.encode("1", add_special_tokens=False)[0])
+    mask = state.allowed_mask()
+    assert state.eos_allowed() and mask[eos] and mask.sum() == len(masker.eos_token_ids)
+    state.advance(eos)
+    assert state.is_finished and state.token_ids[-1] == eos
+    assert not state.allowed_mask().any() and not state.eos_allowed()
+    assert state.features().parser_state == ()
+    with pytest.raises(ForbiddenTokenError):
+        state.advance(tokenizer.encode("1", add_special_tokens=False)[0])
+
+
+def test_forbidden_and_padding_tokens_raise_with_state(compile_grammar, tokenizer):
+    masker = compile_grammar(builtin_grammar("bv4"))
+    state = masker.new_state()
+    bad = tokenizer.encode("x", add_special_tokens=False)[0]
+    with pytest.raises(ForbiddenTokenError) as info:
+        state.advance(bad)
+    assert info.value.token_id == bad and "grammar=bv4" in info.value.state
+    with pytest.raises(ForbiddenTokenError, match="padding"):
+        state.advance(masker.vocab_size - 1)
+    assert state.step == 0  # rejected tokens leave the state unchanged
+    assert state.allowed_mask().shape == (masker.vocab_size,)
+
+
+def test_fork_is_independent(compile_grammar, tokenizer):
+    masker = compile_grammar(builtin_grammar("bv4"))
+    state = masker.new_state()
+    for token in tokenizer.encode("(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) (",
+                                  add_special_tokens=False):
+        state.advance(token)
+    child = state.fork()
+    before_mask, before_features = child.allowed_mask().copy(), child.features()
+    for token in tokenizer.encode("bvneg s))", add_special_tokens=False):
+        state.advance(token)
+    assert state.eos_allowed()
+    assert np.array_equal(child.allowed_mask(), before_mask)
+    assert child.features() == before_features and not child.eos_allowed()
+    for token in tokenizer.encode("bvand t #x0))", add_special_tokens=False):
+        child.advance(token)
+    assert child.eos_allowed() and child.text().endswith("(bvand t #x0))")
+    assert state.text().endswith("(bvneg s))")
+
+
+def test_json_schema_grammar(compile_grammar):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    grammar = Grammar(json.dumps(schema), "json_schema", name="schema")
+    masker = compile_grammar(grammar)
+    reference = reference_acceptor(grammar)
+    rng = random.Random(1)
+    done = 0
+    for _ in range(8):
+        state = masker.new_state()
+        for _step in range(60):
+            if state.eos_allowed():
+                state.advance(next(iter(masker.eos_token_ids)))
+                break
+            state.advance(int(rng.choice(state.allowed_token_ids())))
+        if state.is_finished:
+            done += 1
+            assert reference.accepts(state.text()), state.text()
+    assert done > 0
+    assert not masker.new_state().allowed_mask()[masker.tokenizer.encode(
+        "[", add_special_tokens=False)[0]]
+
+
+def test_regex_grammar(compile_grammar, tokenizer):
+    grammar = Grammar(r"[a-c]{2,4}(x|yz)", "regex", name="re")
+    masker = compile_grammar(grammar)
+    reference = reference_acceptor(grammar)
+    rng = random.Random(2)
+    for _ in range(10):
+        state = masker.new_state()
+        while not state.is_finished:
+            assert state.eos_allowed() == reference.accepts(state.text())
+            allowed = state.allowed_token_ids()
+            state.advance(int(rng.choice(allowed)))
+        assert reference.accepts(state.text())
+
+
+def test_lark_lowering_is_reported_and_unfaithful_lark_refused(tokenizer):
+    spec = get_backend("xgrammar")
+    with pytest.warns(UserWarning, match="priority"):
+        masker = spec.compile(Grammar('start: a\na.2: "x"\n', "lark", name="p"), tokenizer)
+    assert not masker.conversion_notes == ("exact",)
+    with pytest.raises(UnsupportedGrammarError, match="%ignore") as info:
+        spec.compile(Grammar('start: "a"\n%ignore " "\n', "lark", name="ig"), tokenizer)
+    assert info.value.line == 2
+
+
+def test_malformed_ebnf_names_line(tokenizer):
+    with pytest.raises(GrammarError) as info:
+        get_backend("xgrammar").compile(Grammar('root ::= "a"\nb ::= "c" )\nc ::= "d"\n', "ebnf", "bad"),
+                                        tokenizer)
+    assert info.value.line == 2 and "bad" in str(info.value)
+
+
+# ---- features ----------------------------------------------------------------------------
+def test_features_are_parsed_from_the_installed_dump(compile_grammar, tokenizer):
+    masker = compile_grammar(builtin_grammar("bv4"))
+    assert masker.feature_status["parser_state"] is FeatureStatus.EXACT
+    state = masker.new_state()
+    prefix = "(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) (bv"
+    for token in tokenizer.encode(prefix, add_special_tokens=False):
+        state.advance(token)
+    dump = state._matcher._debug_print_internal_state()
+    parsed = parse_internal_state(dump)
+    assert parsed is not None and len(parsed.items) == dump.count("ParserState(")
+    feats = state.features()
+    # After "(bv" the operators are the only candidates: one item per operator rule.
+    rules = {name.split(".e")[0] for name, _ in feats.lexer_state}
+    assert rules == {"BINARY_OP", "UNARY_OP"}
+    for rendered, item in zip(feats.parser_state, parsed.items):
+        assert rendered == f"r{item.rule_id}.s{item.sequence_id}.e{item.element_id}" \
+                           f"@{item.rule_start_pos}/{item.sub_element_id}"
+    assert feats.partial_lexeme is None
+    # Nesting changes the start position but not the item without it.
+    deeper = masker.new_state()
+    for token in tokenizer.encode(prefix[:-3] + "(bvneg (bv", add_special_tokens=False):
+        deeper.advance(token)
+    strip = lambda items: {s.split("@")[0] for s in items}  # noqa: E731
+    assert strip(deeper.features().parser_state) == strip(feats.parser_state)
+    assert set(deeper.features().parser_state) != set(feats.parser_state)
+
+
+def test_relative_start_positions(compile_grammar, tokenizer):
+    masker = compile_grammar(builtin_grammar("bv4"), start_positions="relative")
+    a, b = masker.new_state(), masker.new_state()
+    head = "(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) "
+    for token in tokenizer.encode(head + "(bv", add_special_tokens=False):
+        a.advance(token)
+    for token in tokenizer.encode(head + "(bvneg (bv", add_special_tokens=False):
+        b.advance(token)
+    assert a.features().parser_state == b.features().parser_state
+
+
+@pytest.mark.parametrize("dump", [
+    "",
+    "There are 3 steps in history. Last step: [\nEarleyItem(rule=1), \n]",
+    "Matcher state: rule_id=1 element_id=2",
+    "There are x steps in history. Last step: [\n]",
+])
+def test_unknown_dump_format_is_not_guessed(dump):
+    assert parse_internal_state(dump) is None
+
+
+def test_known_dump_format_parses():
+    dump = ("There are 4 steps in history. Last step: [\n"
+            "ParserState(rule_id=1, sequence_id=10, element_id=6, rule_start_pos=3, "
+            "sub_element_id=0), \n"
+            "ParserState(rule_id=2, sequence_id=14, element_id=8, rule_start_pos=-1, "
+            "sub_element_id=1), \n]")
+    state = parse_internal_state(dump)
+    assert state.position == 3
+    assert [i.render(state.position) for i in state.items] == ["r1.s10.e6@3/0", "r2.s14.e8@-1/1"]
+    assert state.items[1].render(state.position, "relative") == "r2.s14.e8@-4/1"
+
+
+def test_fallback_features_are_derived_and_declared(tokenizer):
+    masker = get_backend("xgrammar").compile(builtin_grammar("binary5"), tokenizer)
+    with pytest.warns(RuntimeWarning, match="unrecognised"):
+        masker._use_fallback_features("test")
+    assert masker.feature_status == dict(FALLBACK_FEATURES)
+    a, b = masker.new_state(), masker.new_state()
+    for token in tokenizer.encode("10", add_special_tokens=False):
+        a.advance(token)
+    feats = a.features()
+    assert feats.lexer_state is None and feats.partial_lexeme is None
+    assert feats.parser_state[0].startswith("mask:")
+    assert feats.parser_state != b.features().parser_state
+
+
+def test_decoded_vocab_is_cached(compile_grammar):
+    masker = compile_grammar(builtin_grammar("binary5"))
+    assert masker.decoded_vocab is masker.decoded_vocab
+    assert len(masker.decoded_vocab) == masker.vocab_size
