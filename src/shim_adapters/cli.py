@@ -41,5 +41,102 @@ def backends_command(as_json: bool) -> None:
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
 
 
+def _compile(backend: str | None, grammar_spec: str, lm):
+    from .demo import _default_backend
+    from .grammar import load_grammar
+    from .plugins import get_backend
+
+    grammar = load_grammar(grammar_spec)
+    return get_backend(backend or _default_backend()).compile(grammar, lm.tokenizer, lm.vocab_size)
+
+
+@main.command("demo")
+@click.option("--grammar", default="binary5", show_default=True,
+              help="Built-in grammar with a finite language (exact KL).")
+@click.option("--backend", default=None, help="Masker backend (default: syncode if installed).")
+@click.option("--n-train", default=2000, show_default=True, help="Unconstrained LM samples.")
+@click.option("--out", "out_dir", default="runs/demo", show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--seed", default=0, show_default=True)
+def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, seed: int) -> None:
+    """The main job: fit SHIM on the shipped LM and compare it with masking, exactly."""
+    from .demo import run_demo
+
+    result = run_demo(grammar=grammar, backend=backend, n_train=n_train, out_dir=out_dir,
+                      seed=seed)
+    click.echo(result.markdown())
+    click.echo("")
+    for path in result.files:
+        click.echo(f"wrote {path}")
+
+
+@main.command("fit")
+@click.option("--grammar", "grammar_spec", required=True,
+              help="Built-in grammar name or a grammar file (.lark, .ebnf, .json, .regex).")
+@click.option("--backend", default=None, help="Masker backend (default: syncode if installed).")
+@click.option("--lm", "lm_spec", default=None,
+              help="'default' (shipped), a local HF model directory, a .gguf file, or 'smollm2'.")
+@click.option("--prompt", default=None, help="Prompt text (default: the grammar's built-in prompt).")
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--kind", type=click.Choice(["LR_NT", "LR_FULL", "MLP"]), default="LR_FULL",
+              show_default=True)
+@click.option("--n-samples", default=1000, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory for the artefact (safetensors + manifest.json).")
+def fit_command(grammar_spec, backend, lm_spec, prompt, prompt_file, kind, n_samples,
+                max_new_tokens, seed, out_dir) -> None:
+    """Sample the LM, fit a SHIM controller and save it as a checked artefact."""
+    from pathlib import Path
+
+    from .controller import fit_controller
+    from .lm import load_lm
+
+    lm = load_lm(lm_spec)
+    masker = _compile(backend, grammar_spec, lm)
+    if prompt_file:
+        prompt = Path(prompt_file).read_text()
+    _, manifest = fit_controller(lm, masker, prompt, kind=kind, n_samples=n_samples,
+                                 max_new_tokens=max_new_tokens, seed=seed, output_dir=out_dir)
+    click.echo(json.dumps({k: manifest[k] for k in ("controller_kind", "training")
+                           if k in manifest}, indent=2, default=str))
+    click.echo(f"wrote {out_dir}")
+
+
+@main.command("sample")
+@click.option("--grammar", "grammar_spec", required=True)
+@click.option("--backend", default=None)
+@click.option("--lm", "lm_spec", default=None)
+@click.option("--controller", "controller_dir", default=None, type=click.Path(exists=True),
+              help="Artefact from `shim fit`; omit for plain masking.")
+@click.option("--prompt", default=None)
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("-n", "--num-samples", default=5, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--seed", default=None, type=int)
+def sample_command(grammar_spec, backend, lm_spec, controller_dir, prompt, prompt_file,
+                   num_samples, max_new_tokens, seed) -> None:
+    """Sample constrained outputs, SHIM-corrected when a controller is given."""
+    from pathlib import Path
+
+    from .artefact import load_controller
+    from .correction import sample_with_shim
+    from .lm import load_lm
+
+    lm = load_lm(lm_spec)
+    masker = _compile(backend, grammar_spec, lm)
+    controller = load_controller(controller_dir, masker, lm)[0] if controller_dir else None
+    if prompt_file:
+        prompt = Path(prompt_file).read_text()
+    prompt = prompt if prompt is not None else masker.grammar.default_prompt
+    if prompt is None:
+        raise click.UsageError("this grammar has no built-in prompt: pass --prompt or --prompt-file")
+    out = sample_with_shim(lm, masker, controller, prompt, num_samples,
+                           max_new_tokens=max_new_tokens, seed=seed)
+    for text, complete in zip(out.texts, out.complete):
+        click.echo(json.dumps({"text": text, "complete": complete}, ensure_ascii=False))
+
+
 if __name__ == "__main__":
     main()
