@@ -1,0 +1,150 @@
+"""SHIM on top of an existing ``outlines.Generator`` (outlines 1.3, transformers models).
+
+``with_shim(generator, controller)`` returns a generator with the same ``__call__`` / ``batch``
+/ ``stream`` signature and output type: outlines' own logits processor (outlines_core for regex
+and JSON schema, llguidance for CFGs) still masks, and SHIM adds β·log γ̂ to the tokens it
+allows. The new generator is ``Generator(model, processor=...)`` with a processor that wraps
+the old one, as outlines documents for custom processors.
+
+Where the features come from: states rebuilt through this plugin, one per row, over the same
+grammar and tokenizer, fed the same tokens. llguidance exposes no parser state at all (the
+plugin derives it with a shadow LALR parser), and outlines_core's guides walk an index built
+over outlines' string vocabulary, whose ids need not match the plugin's byte-level index the
+controller was trained on. The rebuilt states also check outlines' mask: a token outlines
+allows but the controller's grammar forbids raises instead of being sampled.
+
+The grammar: for a CFG the processor holds its Lark text, which is checked against the
+controller's manifest by sha256; for regex / JSON schema (outlines_core keeps only the compiled
+index) pass ``grammar=`` or rely on the built-in the manifest names. Outlines' XGrammar backend
+is not wrapped here: use ``xgrammar.contrib.hf`` with :mod:`shim_xgrammar.wrap`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Mapping
+
+from outlines.generator import SteerableGenerator
+from outlines.processors.base_logits_processor import OutlinesLogitsProcessor
+
+from shim_adapters.errors import VocabMismatchError
+from shim_adapters.grammar import Grammar
+from shim_adapters.protocol import Masker
+from shim_adapters.wrap import (ControllerLike, ShimWrapper, bind_controller,
+                                controller_manifest, grammar_of_manifest, refuse_beam_search)
+
+from .plugin import create_masker
+
+
+class ShimOutlinesProcessor(OutlinesLogitsProcessor):
+    """An outlines processor: the wrapped processor's mask, then SHIM (torch tensors)."""
+
+    def __init__(self, inner: OutlinesLogitsProcessor, masker: Masker, controller):
+        if getattr(inner, "tensor_library_name", None) != "torch":
+            raise ValueError(f"only torch (transformers) models are supported, got tensor "
+                             f"library {getattr(inner, 'tensor_library_name', None)!r}")
+        super().__init__("torch")
+        self.inner = inner
+        self.shim = ShimWrapper(masker, controller, backend=inner.process_logits)
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.shim.reset()
+
+    def process_logits(self, input_ids, logits):
+        return self.shim(input_ids, logits)
+
+
+class ShimGenerator(SteerableGenerator):
+    """A SteerableGenerator that refuses beam search (rows would be reordered)."""
+
+    wrapped: SteerableGenerator
+
+    def __call__(self, prompt: Any, **inference_kwargs) -> Any:
+        refuse_beam_search(inference_kwargs, getattr(self.model, "model", None))
+        return super().__call__(prompt, **inference_kwargs)
+
+    def batch(self, prompts: List[Any], **inference_kwargs) -> List[Any]:
+        refuse_beam_search(inference_kwargs, getattr(self.model, "model", None))
+        return super().batch(prompts, **inference_kwargs)
+
+    def stream(self, prompt: Any, **inference_kwargs) -> Iterator[Any]:
+        refuse_beam_search(inference_kwargs, getattr(self.model, "model", None))
+        return super().stream(prompt, **inference_kwargs)
+
+
+def _grammar_for(inner, found: Mapping[str, Any], grammar: Grammar | None) -> Grammar:
+    from outlines.backends.llguidance import LLGuidanceLogitsProcessor
+    from outlines.backends.outlines_core import OutlinesCoreLogitsProcessor
+
+    if isinstance(inner, LLGuidanceLogitsProcessor):
+        if grammar is None:
+            # outlines hands the CFG's text to llguidance unchanged: that text is the grammar
+            return Grammar(text=inner.grammar, format="lark",
+                           name=str(found.get("grammar_name") or "<outlines CFG>"))
+        return grammar
+    if isinstance(inner, OutlinesCoreLogitsProcessor):
+        return grammar_of_manifest(found, grammar)
+    raise TypeError(f"cannot wrap outlines processor {type(inner).__name__}: supported are "
+                    f"outlines_core (regex, JSON schema) and llguidance (CFG); for XGrammar use "
+                    f"xgrammar.contrib.hf with shim_xgrammar.wrap.with_shim")
+
+
+def _check_cfg_text(inner, masker: Masker) -> None:
+    from outlines.backends.llguidance import LLGuidanceLogitsProcessor
+
+    if not isinstance(inner, LLGuidanceLogitsProcessor):
+        return
+    import llguidance
+
+    lark = getattr(masker, "lark_text", None)
+    candidates = {lark, llguidance.grammar_from("lark", lark)} if lark else set()
+    if inner.grammar not in candidates:
+        raise ValueError(f"the generator's CFG is not the grammar the controller was fitted for "
+                         f"({masker.grammar.name!r})")
+
+
+def _logits_width(outlines_model) -> int:
+    hf = outlines_model.model
+    out = hf.get_output_embeddings()
+    return int(out.weight.shape[0]) if out is not None else int(hf.config.vocab_size)
+
+
+def with_shim(generator: SteerableGenerator, controller: ControllerLike, *,
+              grammar: Grammar | None = None, manifest: Mapping[str, Any] | None = None,
+              lm=None) -> ShimGenerator:
+    """Wrap an ``outlines.Generator`` so that SHIM re-weights the tokens it allows.
+
+    ``generator`` must come from ``outlines.Generator(outlines.from_transformers(model,
+    tokenizer), output_type)``. Raises ManifestMismatchError for a controller fitted for another
+    backend, grammar or tokenizer; TypeError for a generator without a supported processor.
+    """
+    from outlines.models.transformers import Transformers
+
+    if not isinstance(generator, SteerableGenerator):
+        raise TypeError(f"expected an outlines SteerableGenerator (outlines.Generator over a "
+                        f"local model), got {type(generator).__name__}")
+    inner = generator.logits_processor
+    if inner is None:
+        raise ValueError("the generator has no output type, so nothing is constrained and "
+                         "there is no grammar for SHIM to correct")
+    if isinstance(inner, ShimOutlinesProcessor):
+        raise ValueError("this generator is already wrapped with SHIM")
+    if not isinstance(generator.model, Transformers):
+        raise TypeError(f"only outlines.from_transformers models are supported, got "
+                        f"{type(generator.model).__name__}")
+    found = controller_manifest(controller, manifest)
+    tokenizer = generator.model.hf_tokenizer
+    width = _logits_width(generator.model)
+    if width < len(tokenizer):
+        raise VocabMismatchError(f"the model's logits ({width}) are narrower than its tokenizer "
+                                 f"({len(tokenizer)})")
+    masker = create_masker(_grammar_for(inner, found, grammar), tokenizer, width)
+    fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
+    _check_cfg_text(inner, masker)
+    wrapped = ShimGenerator.from_processor(generator.model,
+                                           ShimOutlinesProcessor(inner, masker, fitted))
+    wrapped.wrapped = generator
+    return wrapped
+
+
+__all__ = ("ShimGenerator", "ShimOutlinesProcessor", "with_shim")

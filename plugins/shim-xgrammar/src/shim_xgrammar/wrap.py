@@ -1,0 +1,127 @@
+"""SHIM on top of XGrammar's own ``xgrammar.contrib.hf.LogitsProcessor``.
+
+``with_shim(xgr_processor, controller, tokenizer=tok)`` returns a processor with the same call
+signature: XGrammar still masks (its matchers, its bitmask), and SHIM adds β·log γ̂ to the
+tokens XGrammar allows.
+
+Where the features come from: the processor's *own* matchers. After XGrammar's call has
+advanced them, each row's matcher is wrapped in a :class:`BorrowedMatcherState`, the plugin's
+:class:`~shim_xgrammar.masker.XGrammarState` over a matcher it does not advance, so the features
+are read by exactly the readout the controller was trained with, from the matcher that masks,
+at no extra parsing cost. That readout names Earley items by rule id, and rule ids depend on the
+compiled grammar, so the wrapper refuses a processor whose compiled grammar (printed form) or
+tokenizer info differs from the masker's built from the controller's grammar.
+
+XGrammar's processor is single-use (it keeps its matchers after ``generate``); ``reset()``
+replaces it with a fresh one over the same compiled grammars.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from shim_adapters.grammar import Grammar
+from shim_adapters.wrap import (ControllerLike, ShimWrapper, bind_controller,
+                                controller_manifest, grammar_of_manifest)
+
+from .masker import XGrammarMasker, XGrammarState
+
+
+class BorrowedMatcherState(XGrammarState):
+    """An XGrammarState over a matcher that XGrammar's processor owns and advances."""
+
+    def record(self, token_id: int) -> None:
+        """Note a token the owning processor has already accepted into the matcher."""
+        self._token_ids.append(int(token_id))
+        if int(token_id) in self.masker.eos_token_ids:
+            self._finished = True
+
+    def advance(self, token_id: int) -> None:
+        raise TypeError("this state's matcher is advanced by XGrammar's processor; use "
+                        "record(), or fork() for an independent state")
+
+
+class ShimXGrammarProcessor(ShimWrapper):
+    """XGrammar's processor, then SHIM over the tokens it allows."""
+
+    def __init__(self, xgr_processor, masker: XGrammarMasker, controller, *,
+                 batch_size: int | None = None):
+        super().__init__(masker, controller, batch_size=batch_size, backend=self._call_inner)
+        self.inner = xgr_processor
+        self._compiled = list(xgr_processor.compiled_grammars)
+
+    def _call_inner(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
+                    ) -> torch.FloatTensor:
+        return self.inner(input_ids, scores)
+
+    def _reset_backend(self) -> None:
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        self.inner = LogitsProcessor(self._compiled if len(self._compiled) > 1
+                                     else self._compiled[0])
+
+    def _create_states(self, rows: int) -> list[BorrowedMatcherState]:
+        matchers = self.inner.matchers
+        if len(matchers) != rows:
+            raise RuntimeError(f"XGrammar's processor holds {len(matchers)} matchers for "
+                               f"{rows} rows")
+        return [BorrowedMatcherState(self.masker, m, [], False) for m in matchers]
+
+    def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
+        state.record(token_id)
+
+
+def _check_same_compilation(xgr_processor, masker: XGrammarMasker) -> None:
+    expected = str(masker.compiled.grammar)
+    for i, compiled in enumerate(xgr_processor.compiled_grammars):
+        if str(compiled.grammar) != expected:
+            raise ValueError(
+                f"compiled grammar #{i} of the XGrammar processor is not the grammar the "
+                f"controller was fitted for ({masker.grammar.name!r}): its rules differ, so the "
+                f"controller's features (Earley items by rule id) would not mean the same")
+        info, mine = compiled.tokenizer_info, masker.compiled.tokenizer_info
+        if (info.vocab_size != mine.vocab_size
+                or sorted(info.stop_token_ids) != sorted(mine.stop_token_ids)
+                or info.dump_metadata() != mine.dump_metadata()
+                or list(info.decoded_vocab) != masker.decoded_vocab):
+            raise ValueError(
+                f"compiled grammar #{i} of the XGrammar processor was compiled for another "
+                f"tokenizer (vocab_size {info.vocab_size}, stop ids {info.stop_token_ids}) than "
+                f"the one given (vocab_size {mine.vocab_size}, stop ids {mine.stop_token_ids})")
+
+
+def with_shim(xgr_processor, controller: ControllerLike, *, tokenizer,
+              grammar: Grammar | None = None, manifest: Mapping[str, Any] | None = None, lm=None,
+              batch_size: int | None = None) -> ShimXGrammarProcessor:
+    """Wrap ``xgrammar.contrib.hf.LogitsProcessor`` so that SHIM re-weights its allowed tokens.
+
+    ``tokenizer``: the Hugging Face tokenizer the processor's grammar was compiled for (XGrammar
+    keeps only a ``TokenizerInfo``; the controller is keyed on the tokenizer's content hash).
+    ``grammar``: the Grammar the controller was fitted on (default: the built-in its manifest
+    names). ``batch_size`` (prompts x num_return_sequences) makes beam search fail at the first
+    call; without it, at the first reordering of rows. Raises ManifestMismatchError for a
+    controller fitted for another backend, grammar or tokenizer, and ValueError for a processor
+    compiled from another grammar or tokenizer.
+    """
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    if not isinstance(xgr_processor, LogitsProcessor):
+        raise TypeError(f"expected xgrammar.contrib.hf.LogitsProcessor, got "
+                        f"{type(xgr_processor).__name__}")
+    if xgr_processor.matchers:
+        raise ValueError("this XGrammar processor has already been used by a generate call "
+                         "(it is single-use); wrap a fresh one")
+    found = controller_manifest(controller, manifest)
+    info = xgr_processor.compiled_grammars[0].tokenizer_info
+    masker = XGrammarMasker(grammar_of_manifest(found, grammar), tokenizer,
+                            vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids))
+    fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
+    _check_same_compilation(xgr_processor, masker)
+    if batch_size is None and len(xgr_processor.compiled_grammars) > 1:
+        batch_size = len(xgr_processor.compiled_grammars)  # one grammar per row
+    return ShimXGrammarProcessor(xgr_processor, masker, fitted, batch_size=batch_size)
+
+
+__all__: Sequence[str] = ("BorrowedMatcherState", "ShimXGrammarProcessor", "with_shim")

@@ -1,0 +1,282 @@
+"""Wrapping what users already run, so that adopting SHIM is a one-line change.
+
+A wrapper keeps the user's own constrained-decoding machinery (a plain ``model.generate`` call
+here; XGrammar's, SynCode's and outlines' processors in the plugins' ``wrap`` modules) and adds
+SHIM's ``β·log γ̂`` to the tokens it allows. All wrappers share :class:`ShimWrapper`, which adds
+what a bare processor cannot check by itself:
+
+- one :class:`MaskerState` per batch row, created at the first call (the batch size is only
+  known then), dropped by :meth:`ShimWrapper.reset` between ``generate`` calls;
+- every call, each row's tokens must continue the tokens its state consumed, one new token per
+  call. Beam search, contrastive search and assisted decoding reorder or rewrite rows; the
+  wrapper refuses them with :class:`UnsupportedDecodingError` instead of scoring a row with
+  another row's state;
+- a backend processor may never allow a token the controller's masker forbids
+  (:class:`BackendDisagreementError`): it means the processor compiled another grammar or
+  tokenizer than the controller was fitted for. Tokens the backend forbids stay forbidden, so
+  the backend's own guarantee is kept, and a row left with no token fails closed
+  (:class:`~shim_adapters.errors.DeadEndError`).
+
+Controllers are accepted only with their manifest (an artefact directory, the
+``(controller, manifest)`` pair :func:`~shim_adapters.controller.fit_controller` returns, or a
+controller plus ``manifest=``); :func:`bind_controller` checks it against the wrapper's masker
+with :func:`~shim_adapters.artefact.check_manifest`, so a controller fitted for backend A is
+refused by a wrapper of backend B.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from .artefact import check_manifest, load_controller, read_manifest
+from .controller import Controller
+from .correction import ShimAdjuster
+from .errors import DeadEndError, GrammarError, ShimError, VocabMismatchError
+from .generation import MaskedLogitsProcessor
+from .grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
+from .protocol import Masker, MaskerState
+
+#: What wrappers accept as a controller: an artefact directory, ``(controller, manifest)`` as
+#: :func:`~shim_adapters.controller.fit_controller` returns it, or a fitted controller (then
+#: pass ``manifest=``).
+ControllerLike = Union[str, os.PathLike, Tuple[Controller, Mapping[str, Any]], Controller]
+
+#: A backend processor as the wrapper calls it: (input_ids, scores) -> processed scores.
+BackendCall = Callable[[torch.LongTensor, torch.FloatTensor], torch.FloatTensor]
+
+
+class UnsupportedDecodingError(ShimError):
+    """The decoding strategy reorders or rewrites rows (beam search, assisted decoding...)."""
+
+
+class BackendDisagreementError(ShimError):
+    """The wrapped processor allows a token the controller's masker forbids."""
+
+
+# ---- controllers and their manifests ---------------------------------------------------------
+def controller_manifest(controller: ControllerLike,
+                        manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest that says what ``controller`` was fitted for (read, not yet checked)."""
+    if manifest is not None:
+        return dict(manifest)
+    if isinstance(controller, (str, os.PathLike)):
+        return read_manifest(controller)
+    if isinstance(controller, tuple) and len(controller) == 2:
+        return dict(controller[1])
+    raise ValueError(f"a bare {type(controller).__name__} carries no manifest, so the wrapper "
+                     "cannot check that it was fitted for this backend, grammar and tokenizer: "
+                     "pass the artefact directory, the (controller, manifest) pair "
+                     "fit_controller returns, or manifest=")
+
+
+def grammar_of_manifest(manifest: Mapping[str, Any], grammar: Grammar | None = None) -> Grammar:
+    """``grammar`` if given, else the built-in grammar the manifest names.
+
+    Whichever it is, :func:`bind_controller` later checks its sha256 against the manifest.
+    """
+    if grammar is not None:
+        return grammar
+    name = manifest.get("grammar_name")
+    if name in BUILTIN_GRAMMARS:
+        return builtin_grammar(name)
+    raise GrammarError(f"the controller was fitted for grammar {name!r}, which is not a "
+                       f"built-in grammar ({', '.join(BUILTIN_GRAMMARS)}): pass grammar= "
+                       f"(the same Grammar it was fitted on)", grammar_name=str(name))
+
+
+def bind_controller(controller: ControllerLike, masker: Masker, *,
+                    manifest: Mapping[str, Any] | None = None, lm=None) -> Controller:
+    """The fitted controller, after checking its manifest against ``masker`` (and ``lm``).
+
+    Raises :class:`~shim_adapters.errors.ManifestMismatchError` naming the first field that
+    differs (backend first: a controller fitted for another backend is refused).
+    """
+    if isinstance(controller, (str, os.PathLike)):
+        if manifest is not None:
+            raise ValueError("an artefact directory carries its own manifest; do not pass "
+                             "manifest= with it")
+        loaded, _ = load_controller(Path(controller), masker, lm)
+        return loaded
+    found = controller_manifest(controller, manifest)
+    fitted = controller[0] if isinstance(controller, tuple) else controller
+    if not isinstance(fitted, Controller):
+        raise TypeError(f"expected a fitted Controller, got {type(fitted).__name__}")
+    check_manifest(found, masker, lm, "<controller manifest>")
+    return fitted
+
+
+# ---- the shared wrapper ----------------------------------------------------------------------
+class ShimWrapper(MaskedLogitsProcessor):
+    """A ``LogitsProcessor``: optional backend processor, then SHIM over its allowed tokens.
+
+    Without a backend (``backend=None``) the masker's states do the masking: this is what
+    :func:`shim_logits_processor` returns. Subclasses (the plugins' wrappers) pass the user's
+    processor as ``backend`` and may override :meth:`_create_states` / :meth:`_consume` to read
+    features from the backend's own per-row state.
+    """
+
+    def __init__(self, masker: Masker, controller: Controller, *,
+                 batch_size: int | None = None, backend: BackendCall | None = None):
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        # MaskedLogitsProcessor.__init__ wants the states up front; these are made at the first
+        # call, so its attributes (states, adjuster, _prompt_length) are set here instead.
+        self.masker = masker
+        self.controller = controller
+        self.adjuster = ShimAdjuster(controller)
+        self.batch_size = batch_size
+        self.backend = backend
+        self.states: list[MaskerState] = []
+        self._prompt_length: int | None = None
+        self._n_tokens = len(masker.tokenizer)  # len() of a fast tokenizer is not free
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def reset(self, states: Sequence[MaskerState] | None = None) -> None:
+        """Forget every row: the next call starts a new ``generate`` (new batch, new prompt)."""
+        if states is not None:
+            raise TypeError(f"{type(self).__name__} creates its own states at the first call; "
+                            "reset() takes no arguments")
+        self.states = []
+        self._prompt_length = None
+        self._reset_backend()
+
+    def _reset_backend(self) -> None:
+        """Hook: reset the wrapped processor."""
+
+    def _create_states(self, rows: int) -> list[MaskerState]:
+        """Hook: one fresh state per row, after the backend's first call."""
+        return [self.masker.new_state() for _ in range(rows)]
+
+    def _consume(self, row: int, state: MaskerState, token_id: int) -> None:
+        """Hook: make ``state`` consume the row's new token (after the backend's call)."""
+        state.advance(token_id)
+
+    # ---- row bookkeeping ----------------------------------------------------------------
+    def _begin(self, input_ids: torch.LongTensor) -> None:
+        rows = int(input_ids.shape[0])
+        if self.batch_size is not None and rows != self.batch_size:
+            raise UnsupportedDecodingError(
+                f"the first call has {rows} rows but the wrapper was made for batch_size="
+                f"{self.batch_size}: beam search (num_beams>1) is not supported, and "
+                f"num_return_sequences must be counted in batch_size (prompts x samples)")
+
+    def _new_tokens(self, input_ids: torch.LongTensor) -> list[int | None]:
+        """Each live row's single new token, after checking it continues the row's history."""
+        if input_ids.shape[0] != len(self.states):
+            raise UnsupportedDecodingError(
+                f"the batch has {input_ids.shape[0]} rows but the wrapper holds "
+                f"{len(self.states)} row states (did the batch change without reset()? beam "
+                f"search is not supported)")
+        generated = input_ids[:, self._prompt_length:].tolist()
+        out: list[int | None] = []
+        for row, (state, tokens) in enumerate(zip(self.states, generated)):
+            history = list(state.token_ids)
+            if tokens[:len(history)] != history:
+                raise UnsupportedDecodingError(
+                    f"row {row} no longer continues the tokens its state consumed (rows were "
+                    f"reordered or rewritten: beam search, contrastive search and assisted "
+                    f"decoding are not supported; or reset() was not called between generate "
+                    f"calls); state: {state.describe()}")
+            if state.is_finished:
+                out.append(None)  # transformers pads finished rows
+                continue
+            if len(tokens) != len(history) + 1:
+                raise UnsupportedDecodingError(
+                    f"row {row} gained {len(tokens) - len(history)} tokens since the last call; "
+                    f"the wrapper needs exactly one per call (assisted or speculative decoding "
+                    f"is not supported; or reset() was not called between generate calls); "
+                    f"state: {state.describe()}")
+            out.append(int(tokens[-1]))
+        return out
+
+    # ---- the call -----------------------------------------------------------------------
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
+                 ) -> torch.FloatTensor:
+        first = self._prompt_length is None
+        if first:
+            self._begin(input_ids)
+        else:
+            new = self._new_tokens(input_ids)
+        width = self.masker.vocab_size
+        if scores.shape[-1] != width:
+            raise VocabMismatchError(f"model logits have width {scores.shape[-1]} but the masker "
+                                     f"was compiled for {width}")
+        was_neginf = torch.isneginf(scores).cpu().numpy() if self.backend is not None else None
+        if self.backend is not None:
+            scores = self.backend(input_ids, scores)
+        if first:
+            self.states = self._create_states(int(input_ids.shape[0]))
+            self._prompt_length = int(input_ids.shape[1])
+        else:
+            for row, (state, token) in enumerate(zip(self.states, new)):
+                if token is not None:
+                    self._consume(row, state, token)
+        mask = self.allowed_masks()  # finished rows: EOS only; DeadEndError on an empty row
+        if self.backend is not None:
+            mask = self._agree(mask, ~torch.isneginf(scores).cpu().numpy(), was_neginf)
+        mask_t = torch.from_numpy(mask).to(scores.device)
+        scores = scores.masked_fill(~mask_t, float("-inf"))
+        return self._apply_adjuster(scores, mask_t)
+
+    def _agree(self, state_mask: np.ndarray, backend_allowed: np.ndarray,
+               was_neginf: np.ndarray) -> np.ndarray:
+        """Intersect with the backend's mask; refuse tokens only the backend allows."""
+        out = state_mask.copy()
+        # ids past the tokenizer (logit padding) have no text: some backends leave them
+        # unmasked; they are masked here and are no sign of another grammar
+        n_tokens = self._n_tokens
+        for row, state in enumerate(self.states):
+            if state.is_finished:
+                continue
+            extra = np.flatnonzero((backend_allowed[row] & ~state_mask[row] & ~was_neginf[row])
+                                   [:n_tokens])
+            if len(extra):
+                shown = ", ".join(f"{t} ({self.masker.token_text(t)!r})" for t in extra[:5])
+                raise BackendDisagreementError(
+                    f"the wrapped {self.masker.backend_name} processor allows {len(extra)} "
+                    f"token(s) at step {state.step}, batch row {row}, that the controller's "
+                    f"grammar forbids: {shown}. The processor's grammar or tokenizer is not the "
+                    f"one the controller was fitted for (or the processor stopped constraining)"
+                    f"; refusing to continue. State: {state.describe()}")
+            out[row] &= backend_allowed[row]
+            if not out[row].any():
+                raise DeadEndError(state.step, state.describe(), row=row)
+        return out
+
+
+def shim_logits_processor(masker: Masker, controller: ControllerLike,
+                          batch_size: int | None = None, *,
+                          manifest: Mapping[str, Any] | None = None, lm=None) -> ShimWrapper:
+    """A ``LogitsProcessor`` for ``model.generate(..., logits_processor=[...])``.
+
+    Masks with ``masker`` (one state per row, created at the first call) and adds SHIM's
+    correction. ``batch_size`` (prompts x num_return_sequences) makes a mismatch, e.g. beam
+    search, fail at the first call; ``None`` takes the batch size from the first call. Call
+    ``reset()`` between ``generate`` calls.
+    """
+    fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
+    return ShimWrapper(masker, fitted, batch_size=batch_size)
+
+
+def refuse_beam_search(inference_kwargs: Mapping[str, Any], model=None) -> None:
+    """Raise UnsupportedDecodingError when ``generate`` would run beam search."""
+    beams = inference_kwargs.get("num_beams")
+    config = inference_kwargs.get("generation_config")
+    if beams is None and config is not None:
+        beams = getattr(config, "num_beams", None)
+    if beams is None and model is not None:
+        beams = getattr(getattr(model, "generation_config", None), "num_beams", None)
+    if beams is not None and int(beams) > 1:
+        raise UnsupportedDecodingError(
+            f"num_beams={beams}: beam search reorders rows between steps, so per-row grammar "
+            "states and SHIM's correction would follow the wrong rows; sample or decode greedily "
+            "(num_beams=1)")
+    if inference_kwargs.get("assistant_model") is not None or inference_kwargs.get(
+            "prompt_lookup_num_tokens") is not None:
+        raise UnsupportedDecodingError("assisted / prompt-lookup decoding proposes several tokens "
+                                       "per step; the wrapper needs one token per row per call")

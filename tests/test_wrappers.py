@@ -1,0 +1,381 @@
+"""Wrappers around what users already run: plain generate, XGrammar, SynCode, outlines.
+
+Real components throughout: the shipped LM, the real backend processors, small controllers
+fitted here (forced β = 1 so that the correction is never a no-op).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from shim_adapters.artefact import save_controller
+from shim_adapters.controller import fit_controller
+from shim_adapters.correction import ShimLogitsProcessor
+from shim_adapters.errors import ManifestMismatchError
+from shim_adapters.generation import FAITHFUL_SAMPLING
+from shim_adapters.grammar import Grammar, builtin_grammar
+from shim_adapters.plugins import get_backend
+from shim_adapters.reference import reference_acceptor
+from shim_adapters.wrap import (BackendDisagreementError, UnsupportedDecodingError,
+                                shim_logits_processor)
+
+torch.set_num_threads(1)
+EOS = 0
+FIT = dict(kind="LR_FULL", n_samples=60, max_new_tokens=48, progress=False, n_splits=2,
+           beta_grid=(1.0,), reg_grid=(1.0,))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from shim_adapters.lm import load_lm
+
+    lm = load_lm(None)
+    assert lm.tokenizer.eos_token_id == EOS
+    return lm
+
+
+_FITTED: dict = {}
+
+
+def fitted(lm, backend: str, grammar: str):
+    """(masker, (controller, manifest)) for backend x grammar, fitted once per session."""
+    key = (backend, grammar)
+    if key not in _FITTED:
+        masker = get_backend(backend).compile(builtin_grammar(grammar), lm.tokenizer,
+                                              lm.vocab_size)
+        _FITTED[key] = (masker, fit_controller(lm, masker, seed=3, **FIT))
+    return _FITTED[key]
+
+
+# ---- the three backend processors, as users build them ---------------------------------------
+def xgrammar_processor(lm, grammar: str):
+    import xgrammar as xgr
+
+    masker, _ = fitted(lm, "xgrammar", grammar)
+    info = xgr.TokenizerInfo.from_huggingface(lm.tokenizer, vocab_size=lm.vocab_size,
+                                              stop_token_ids=[EOS])
+    # the user compiles the grammar text the controller was fitted on (EBNF for XGrammar)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(str(masker.compiled.grammar))
+    return xgr.contrib.hf.LogitsProcessor(compiled)
+
+
+@pytest.fixture(scope="module")
+def syncode_cls(tmp_path_factory):
+    from shim_syncode._syncode_import import syncode_modules
+
+    syncode_modules()  # import SynCode without letting it rewire logging
+    import syncode.common as common
+
+    common.SYNCODE_CACHE = str(tmp_path_factory.mktemp("syncode_cache")) + "/"  # it pickles there
+    from syncode.grammar_mask.logits_processor import SyncodeLogitsProcessor
+    from syncode.parsers.grammars import Grammar as SyncodeGrammar
+
+    def make(lm, grammar: str, **kwargs):
+        kwargs = dict(dict(use_cache=False, mode="grammar_strict"), **kwargs)
+        return SyncodeLogitsProcessor(SyncodeGrammar(builtin_grammar(grammar).text),
+                                      lm.tokenizer, **kwargs)
+    return make
+
+
+def outlines_generator(lm, grammar: str):
+    import outlines
+
+    model = outlines.from_transformers(lm.model, lm.tokenizer)
+    return outlines.Generator(model, outlines.types.CFG(builtin_grammar(grammar).text))
+
+
+def wrap(lm, backend: str, grammar: str, syncode_cls=None, controller=None, **kwargs):
+    """The backend's wrapper around a fresh user processor, with the matching controller."""
+    controller = controller if controller is not None else fitted(lm, backend, grammar)[1]
+    if backend == "xgrammar":
+        from shim_xgrammar.wrap import with_shim
+
+        return with_shim(xgrammar_processor(lm, grammar), controller, tokenizer=lm.tokenizer,
+                         **kwargs)
+    if backend == "syncode":
+        from shim_syncode.wrap import with_shim
+
+        sp_kwargs = {"num_samples": kwargs.pop("num_samples")} if "num_samples" in kwargs else {}
+        return with_shim(syncode_cls(lm, grammar, **sp_kwargs), controller, **kwargs)
+    if backend == "outlines":
+        from shim_outlines.wrap import with_shim
+
+        return with_shim(outlines_generator(lm, grammar), controller, **kwargs)
+    raise AssertionError(backend)
+
+
+def sample(lm, processor, prompt: str, n: int, seed: int, **extra) -> list[str]:
+    enc = lm.tokenizer([prompt] * n, return_tensors="pt")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = lm.model.generate(**enc, logits_processor=[processor], max_new_tokens=48,
+                                eos_token_id=EOS, pad_token_id=EOS,
+                                **dict(FAITHFUL_SAMPLING, **extra))
+    return [lm.tokenizer.decode([t for t in row[enc["input_ids"].shape[1]:].tolist()
+                                 if t != EOS]) for row in out]
+
+
+# ---- outputs are in the language; reset between calls ----------------------------------------
+@pytest.mark.parametrize("backend,grammar", [("xgrammar", "binary5"), ("syncode", "bv4")])
+def test_plain_wrapper_outputs_are_in_the_language_and_reset_works(lm, backend, grammar):
+    masker, controller = fitted(lm, backend, grammar)
+    accepts = reference_acceptor(masker.grammar).accepts
+    processor = shim_logits_processor(masker, controller)
+    first = sample(lm, processor, masker.grammar.default_prompt, 4, seed=0)
+    processor.reset()
+    second = sample(lm, processor, masker.grammar.default_prompt, 2, seed=1)  # other batch size
+    assert len(first) == 4 and len(second) == 2
+    assert all(accepts(t) for t in first + second), first + second
+
+
+def test_plain_wrapper_without_reset_refuses_the_next_call(lm):
+    masker, controller = fitted(lm, "xgrammar", "binary5")
+    processor = shim_logits_processor(masker, controller)
+    sample(lm, processor, masker.grammar.default_prompt, 2, seed=0)
+    with pytest.raises(UnsupportedDecodingError, match="reset"):
+        sample(lm, processor, masker.grammar.default_prompt, 2, seed=0)
+
+
+@pytest.mark.parametrize("backend,grammar", [("xgrammar", "binary5"), ("xgrammar", "bv4"),
+                                             ("syncode", "binary5")])
+def test_processor_wrappers_output_the_language_and_reset(lm, syncode_cls, backend, grammar):
+    g = builtin_grammar(grammar)
+    accepts = reference_acceptor(g).accepts
+    processor = wrap(lm, backend, grammar, syncode_cls)
+    first = sample(lm, processor, g.default_prompt, 3, seed=0)
+    processor.reset()
+    second = sample(lm, processor, g.default_prompt, 2, seed=1)
+    assert all(accepts(t) for t in first + second), first + second
+
+
+@pytest.mark.parametrize("grammar", ["binary5", "bv4"])
+def test_outlines_wrapper_keeps_the_call_signature_and_outputs_the_language(lm, grammar):
+    g = builtin_grammar(grammar)
+    accepts = reference_acceptor(g).accepts
+    generator = wrap(lm, "outlines", grammar)
+    kwargs = dict(max_new_tokens=48, do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+    torch.manual_seed(0)
+    one = generator(g.default_prompt, **kwargs)  # __call__: one string
+    many = generator.batch([g.default_prompt] * 3, **kwargs)  # batch: a list (reset inside)
+    assert isinstance(one, str) and isinstance(many, list) and len(many) == 3
+    assert all(accepts(t) for t in [one, *many]), [one, *many]
+
+
+def binary5_regex() -> Grammar:
+    strings = re.findall(r'"([01]{5})"', builtin_grammar("binary5").text)
+    return Grammar(text="(" + "|".join(strings) + ")", format="regex", name="binary5-regex",
+                   default_prompt=builtin_grammar("binary5").default_prompt)
+
+
+@pytest.fixture(scope="module")
+def regex_setup(lm):
+    """outlines_core path: a regex grammar, its controller, and an outlines Regex generator."""
+    import outlines
+
+    grammar = binary5_regex()
+    masker = get_backend("outlines").compile(grammar, lm.tokenizer, lm.vocab_size)
+    controller = fit_controller(lm, masker, seed=3, **FIT)
+
+    def generator():
+        model = outlines.from_transformers(lm.model, lm.tokenizer)
+        return outlines.Generator(model, outlines.types.Regex(grammar.text))
+    return grammar, masker, controller, generator
+
+
+def test_outlines_regex_wrapper_outputs_the_language(lm, regex_setup):
+    from shim_outlines.wrap import with_shim
+
+    grammar, _, controller, generator = regex_setup
+    accepts = reference_acceptor(grammar).accepts
+    assert accepts("00100") and not accepts("00000")
+    wrapped = with_shim(generator(), controller, grammar=grammar)
+    torch.manual_seed(0)
+    texts = wrapped.batch([grammar.default_prompt] * 3, max_new_tokens=12, do_sample=True,
+                          top_k=0)
+    assert all(accepts(t) for t in texts), texts
+
+
+# ---- the wrapper changes the distribution exactly as ShimLogitsProcessor does ----------------
+def _forced_walk(lm, masker, controller, step_fn, prompt: str, rows: int, steps: int = 24):
+    """Drive the wrapper (``step_fn``) and ShimLogitsProcessor over the same rows and logits.
+
+    Each step both see identical input_ids and logits (seeded noise); the next token of each row
+    is the reference's argmax. Returns the number of steps where SHIM moved the logits.
+    """
+    reference = ShimLogitsProcessor([masker.new_state() for _ in range(rows)], controller[0])
+    prompt_ids = lm.tokenizer(prompt)["input_ids"]
+    ids = torch.tensor([prompt_ids] * rows)
+    gen = torch.Generator().manual_seed(7)
+    moved = 0
+    for step in range(steps):
+        logits = torch.randn(rows, lm.vocab_size, generator=gen) * 3
+        want = reference(ids, logits.clone())
+        got = step_fn(ids, logits.clone())
+        masked = torch.isneginf(want)
+        assert torch.equal(torch.isneginf(got), masked), f"masked sets differ at step {step}"
+        diff = (got - want)[~masked].abs().max().item()
+        assert diff <= 1e-5, f"step {step}: max |wrapper - ShimLogitsProcessor| = {diff}"
+        plain = logits.masked_fill(masked, float("-inf"))
+        moved += int(((want - plain)[~masked].abs() > 1e-3).any())
+        nxt = want.argmax(dim=-1)
+        nxt = torch.where(torch.tensor([s.is_finished for s in reference.states]),
+                          torch.full_like(nxt, EOS), nxt)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        if all(s.is_finished for s in reference.states):
+            break
+    return moved
+
+
+@pytest.mark.parametrize("backend,grammar", [("xgrammar", "binary5"), ("xgrammar", "bv4"),
+                                             ("syncode", "binary5"), ("outlines", "binary5"),
+                                             ("outlines", "bv4"), ("plain", "bv4")])
+def test_wrapper_scores_equal_shim_logits_processor(lm, syncode_cls, backend, grammar):
+    if backend == "plain":
+        masker, controller = fitted(lm, "xgrammar", grammar)
+        step_fn = shim_logits_processor(masker, controller, batch_size=3)
+    else:
+        masker, controller = fitted(lm, backend, grammar)
+        wrapped = wrap(lm, backend, grammar, syncode_cls,
+                       **({"num_samples": 3} if backend == "syncode" else {}))
+        step_fn = wrapped.logits_processor if backend == "outlines" else wrapped
+    moved = _forced_walk(lm, masker, controller, step_fn, masker.grammar.default_prompt, rows=3)
+    assert moved > 0, "the controller never changed the logits: the comparison proves nothing"
+
+
+def test_outlines_regex_wrapper_scores_equal_shim_logits_processor(lm, regex_setup):
+    from shim_outlines.wrap import with_shim
+
+    grammar, masker, controller, generator = regex_setup
+    wrapped = with_shim(generator(), controller, grammar=grammar)
+    moved = _forced_walk(lm, masker, controller, wrapped.logits_processor, grammar.default_prompt,
+                         rows=3)
+    assert moved > 0
+
+
+# ---- beam search and reordered rows are refused ----------------------------------------------
+def _beam(lm, processor, prompt):
+    enc = lm.tokenizer([prompt], return_tensors="pt")
+    with torch.no_grad():
+        lm.model.generate(**enc, logits_processor=[processor], num_beams=2, do_sample=False,
+                          max_new_tokens=6, eos_token_id=EOS, pad_token_id=EOS)
+
+
+@pytest.mark.parametrize("backend", ["plain", "xgrammar", "syncode"])
+def test_beam_search_is_refused(lm, syncode_cls, backend):
+    prompt = builtin_grammar("binary5").default_prompt
+    if backend == "plain":
+        masker, controller = fitted(lm, "xgrammar", "binary5")
+        processor = shim_logits_processor(masker, controller, batch_size=1)
+    else:
+        processor = wrap(lm, backend, "binary5", syncode_cls, batch_size=1)
+    with pytest.raises(UnsupportedDecodingError, match="beam search"):
+        _beam(lm, processor, prompt)
+
+
+def test_outlines_beam_search_is_refused(lm):
+    generator = wrap(lm, "outlines", "binary5")
+    with pytest.raises(UnsupportedDecodingError, match="num_beams=2"):
+        generator(builtin_grammar("binary5").default_prompt, num_beams=2, max_new_tokens=6)
+
+
+def test_reordered_rows_are_refused_without_batch_size(lm):
+    """Beam search without batch_size= still fails at the first reordering of rows."""
+    processor = wrap(lm, "xgrammar", "binary5")
+    prompt = lm.tokenizer(builtin_grammar("binary5").default_prompt)["input_ids"]
+    one, zero = (lm.tokenizer.convert_tokens_to_ids(c) for c in ("1", "0"))
+    ids = torch.tensor([prompt, prompt])
+    processor(ids, torch.zeros(2, lm.vocab_size))
+    ids = torch.cat([ids, torch.tensor([[one], [zero]])], dim=1)
+    processor(ids, torch.zeros(2, lm.vocab_size))
+    swapped = torch.cat([ids[[1, 0]], torch.tensor([[one], [one]])], dim=1)
+    with pytest.raises(UnsupportedDecodingError, match="row 0 no longer continues"):
+        processor(swapped, torch.zeros(2, lm.vocab_size))
+
+
+# ---- controllers for another backend / grammar are refused -----------------------------------
+@pytest.mark.parametrize("backend,other", [("xgrammar", "syncode"), ("syncode", "xgrammar"),
+                                           ("outlines", "xgrammar"), ("plain", "outlines")])
+def test_controller_of_another_backend_is_refused(lm, syncode_cls, backend, other):
+    _, foreign = fitted(lm, other, "binary5")
+    with pytest.raises(ManifestMismatchError) as err:
+        if backend == "plain":
+            shim_logits_processor(fitted(lm, "xgrammar", "binary5")[0], foreign)
+        else:
+            wrap(lm, backend, "binary5", syncode_cls, controller=foreign)
+    assert err.value.field == "backend"
+    assert err.value.found == other
+
+
+def test_controller_artefact_directory_is_checked_on_load(lm, tmp_path):
+    from shim_xgrammar.wrap import with_shim
+
+    masker, (controller, _) = fitted(lm, "xgrammar", "binary5")
+    save_controller(tmp_path / "xgr", controller, masker, lm)
+    processor = with_shim(xgrammar_processor(lm, "binary5"), tmp_path / "xgr",
+                          tokenizer=lm.tokenizer)
+    accepts = reference_acceptor(masker.grammar).accepts
+    assert all(accepts(t) for t in sample(lm, processor, masker.grammar.default_prompt, 2, 0))
+    outlines_masker, (outlines_controller, _) = fitted(lm, "outlines", "binary5")
+    save_controller(tmp_path / "ol", outlines_controller, outlines_masker, lm)
+    with pytest.raises(ManifestMismatchError, match="'backend'"):
+        with_shim(xgrammar_processor(lm, "binary5"), tmp_path / "ol", tokenizer=lm.tokenizer)
+
+
+def test_controller_without_manifest_is_refused(lm):
+    masker, (controller, _) = fitted(lm, "xgrammar", "binary5")
+    with pytest.raises(ValueError, match="manifest"):
+        shim_logits_processor(masker, controller)
+
+
+def test_processor_for_another_grammar_is_refused(lm):
+    from shim_xgrammar.wrap import with_shim as xgrammar_shim
+
+    from shim_outlines.wrap import with_shim as outlines_shim
+
+    _, binary = fitted(lm, "xgrammar", "binary5")
+    with pytest.raises(ValueError, match="not the grammar the controller was fitted for"):
+        xgrammar_shim(xgrammar_processor(lm, "bv4"), binary, tokenizer=lm.tokenizer)
+    _, outlines_binary = fitted(lm, "outlines", "binary5")
+    with pytest.raises(ManifestMismatchError, match="grammar_sha256"):
+        outlines_shim(outlines_generator(lm, "bv4"), outlines_binary)
+
+
+def test_syncode_grammar_mask_mode_is_refused(lm, syncode_cls):
+    from shim_syncode.wrap import with_shim
+
+    with pytest.raises(ValueError, match="grammar_strict"):
+        with_shim(syncode_cls(lm, "binary5", mode="grammar_mask"),
+                  fitted(lm, "syncode", "binary5")[1])
+
+
+# ---- SynCode stops constraining on bv4: the wrapper refuses instead --------------------------
+def _define_prefix(lm):
+    prompt = lm.tokenizer(builtin_grammar("bv4").default_prompt)["input_ids"]
+    header = lm.tokenizer("(define-fun")["input_ids"]
+    assert [lm.tokenizer.decode([t]) for t in header[:2]] == ["(", "define"]
+    return [torch.tensor([prompt + header[:k]]) for k in range(3)]
+
+
+def test_syncode_wrapper_fails_closed_where_syncode_stops_constraining(lm, syncode_cls):
+    processor = wrap(lm, "syncode", "bv4", syncode_cls)
+    steps = _define_prefix(lm)
+    for ids in steps[:2]:
+        processor(ids, torch.zeros(1, lm.vocab_size))
+    with pytest.raises(BackendDisagreementError, match="step 2, batch row 0"):
+        processor(steps[2], torch.zeros(1, lm.vocab_size))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "SynCode 0.4.16 upstream bug: SyncodeLogitsProcessor(mode='grammar_strict') on the bv4 "
+    "grammar finds no acceptable token after '(define' (inside the literal '(define-fun ...') "
+    "and leaves every logit unmasked, i.e. decodes unconstrained from there. Repro: "
+    "SyncodeLogitsProcessor(Grammar(bv4_text), tok, mode='grammar_strict') called on "
+    "prompt+['(', 'define'] returns no -inf entry."))
+def test_upstream_syncode_keeps_constraining_inside_a_literal(lm, syncode_cls):
+    processor = syncode_cls(lm, "bv4")
+    for ids in _define_prefix(lm):
+        scores = processor(ids, torch.zeros(1, lm.vocab_size))
+    assert torch.isneginf(scores).any()
