@@ -1,0 +1,104 @@
+"""SHIM's correction at decoding time never weakens the masker's guarantee."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shim_adapters.controller import LR_FULL, MLP
+from shim_adapters.correction import ShimAdjuster, ShimLogitsProcessor, sample_with_shim
+from shim_adapters.generation import MaskedLogitsProcessor
+from shim_adapters.grammar import builtin_grammar
+from shim_adapters.lm import load_lm
+from shim_adapters.plugins import get_backend
+from shim_adapters.reference import reference_acceptor
+from shim_adapters.training_data import sample_training_data
+
+torch.set_num_threads(1)
+#: Two grammars through two backends.
+CASES = {"bv4": "syncode", "binary5": "xgrammar"}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_lm(None)
+
+
+@pytest.fixture(scope="module")
+def setups(lm):
+    out = {}
+    for grammar, backend in CASES.items():
+        masker = get_backend(backend).compile(builtin_grammar(grammar), lm.tokenizer,
+                                              lm.vocab_size)
+        data = sample_training_data(lm, masker, masker.grammar.default_prompt, 120,
+                                    max_new_tokens=96, seed=5, progress=False)
+        ctrl = {"LR_FULL": LR_FULL(n_splits=2).fit(data),
+                "MLP": MLP(n_splits=2, epochs=5, reg_grid=(1e-3,)).fit(data)}
+        out[grammar] = (masker, data, ctrl)
+    return out
+
+
+def _walk(masker, choices):
+    """A real masker state reached by taking allowed tokens chosen by index (EOS avoided)."""
+    state = masker.new_state()
+    for c in choices:
+        allowed = [t for t in state.allowed_token_ids() if t not in masker.eos_token_ids]
+        if not allowed:
+            break
+        state.advance(int(allowed[c % len(allowed)]))
+    return state
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(grammar=st.sampled_from(sorted(CASES)), kind=st.sampled_from(["LR_FULL", "MLP"]),
+       choices=st.lists(st.integers(0, 10_000), max_size=30), seed=st.integers(0, 2**31 - 1))
+def test_correction_never_enables_a_forbidden_token(setups, grammar, kind, choices, seed):
+    masker, _, ctrl = setups[grammar]
+    state = _walk(masker, choices)
+    mask = state.allowed_mask()
+    scores = torch.randn((1, masker.vocab_size), generator=torch.Generator().manual_seed(seed))
+    prompt = torch.zeros((1, 3), dtype=torch.long)
+    plain = MaskedLogitsProcessor([state.fork()])(prompt, scores.clone())[0]
+    shim = ShimLogitsProcessor([state.fork()], ctrl[kind])(prompt, scores.clone())[0]
+    allowed = torch.from_numpy(mask)
+    # forbidden stays -inf, allowed stays finite
+    assert torch.isneginf(shim[~allowed]).all() and torch.isfinite(shim[allowed]).all()
+    # the correction is exactly β·log γ̂ on the allowed set, and never positive
+    lg = ctrl[kind].predict_log_gamma(state.features(), np.flatnonzero(mask))
+    np.testing.assert_allclose((shim - plain)[allowed].numpy(), lg, rtol=1e-4, atol=1e-4)
+    assert (lg <= 0).all()
+    # the corrected distribution sums to one over the allowed set
+    probs = torch.softmax(shim.double(), dim=-1)
+    assert float(probs[allowed].sum()) == pytest.approx(1.0, abs=1e-9)
+    # EOS is allowed exactly where the grammar accepts
+    for e in masker.eos_token_ids:
+        assert bool(torch.isfinite(shim[e])) == state.eos_allowed()
+
+
+def test_adjuster_batches_rows_like_single_rows(setups):
+    masker, data, ctrl = setups["bv4"]
+    states = [_walk(masker, [i, 2 * i, 3 * i]) for i in range(6)]
+    adj = ShimAdjuster(ctrl["MLP"])
+    allowed = [s.allowed_token_ids() for s in states]
+    batched = adj.log_gamma(states, allowed)
+    for s, a, b in zip(states, allowed, batched):
+        np.testing.assert_allclose(b, ctrl["MLP"].predict_log_gamma(s.features(), a), atol=1e-6)
+
+
+@pytest.mark.parametrize("grammar", sorted(CASES))
+def test_shim_samples_are_in_the_language(lm, setups, grammar):
+    masker, _, ctrl = setups[grammar]
+    out = sample_with_shim(lm, masker, ctrl["LR_FULL"], masker.grammar.default_prompt, 8,
+                           max_new_tokens=96, seed=0)
+    acceptor = reference_acceptor(masker.grammar)
+    finished = [t for t, done in zip(out.texts, out.complete) if done]
+    assert finished, "no sample finished within max_new_tokens"
+    assert all(acceptor.accepts(t) for t in finished), finished
+
+
+def test_unfitted_controller_is_refused():
+    with pytest.raises(ValueError, match="not fitted"):
+        ShimAdjuster(LR_FULL())
