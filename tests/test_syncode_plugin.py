@@ -1,0 +1,436 @@
+"""The SynCode backend plugin (plugins/shim-syncode) against real tokenizers and grammars.
+
+Tokenizers are small byte-level BPEs trained here on text of each built-in grammar's language
+(real `tokenizers` models, so tokens span terminals the way an LM's tokens do).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import numpy as np
+import pytest
+
+from shim_adapters.errors import ForbiddenTokenError, GrammarError, UnsupportedGrammarError
+from shim_adapters.grammar import Grammar, builtin_grammar
+from shim_adapters.plugins import get_backend
+from shim_adapters.protocol import FEATURE_NAMES, FeatureStatus
+from shim_adapters.reference import reference_acceptor
+from shim_adapters.tokenizer_identity import TokenizerIdentity
+
+pytest.importorskip("shim_syncode")
+
+
+# ---- real test tokenizers -----------------------------------------------------------------
+def _bv4_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+
+    def expr(depth: int) -> str:
+        r = rng.random()
+        if depth > 3 or r < 0.3:
+            return rng.choice(["s", "t", "#x0", "#x8", "#x7"])
+        if r < 0.5:
+            return f"({rng.choice(['bvneg', 'bvnot'])} {expr(depth + 1)})"
+        op = rng.choice(["bvadd", "bvsub", "bvand", "bvlshr", "bvor", "bvshl"])
+        return f"({op} {expr(depth + 1)} {expr(depth + 1)})"
+
+    head = "(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) "
+    return [head + expr(0) + ")" for _ in range(n)]
+
+
+def _json_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+
+    def value(depth: int):
+        r = rng.random()
+        if depth > 2 or r < 0.3:
+            return rng.choice([1, -48.5, "ab", "x y", True, False, None, 12, "q\u00e9"])
+        if r < 0.6:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice("abcxyz"): value(depth + 1) for _ in range(rng.randint(0, 3))}
+
+    return [json.dumps(value(0), indent=rng.choice([None, 1]), ensure_ascii=False)
+            for _ in range(n)]
+
+
+def _sql_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    where = ["", " WHERE age > 3", " WHERE x = 'a' AND y <= 2"]
+    return [f"SELECT {rng.choice(['*', 'name', 'COUNT(*)', 'a, b'])} FROM "
+            f"{rng.choice(['users', 't_x'])}{rng.choice(where)}"
+            f"{rng.choice(['', ' ORDER BY a DESC'])}{rng.choice(['', ' LIMIT 5'])};"
+            for _ in range(n)]
+
+
+def _binary_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice("01") for _ in range(5)) for _ in range(n)]
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int, extra_specials=()):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>", *extra_specials],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    kwargs = {"pad_token": extra_specials[0]} if extra_specials else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", **kwargs)
+
+
+_TEXTS = {"bv4": _bv4_texts, "json": _json_texts, "sql": _sql_texts, "binary5": _binary_texts}
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return {name: _train_tokenizer(make(1500), 400 if name != "binary5" else 270,
+                                   extra_specials=("<pad>",) if name == "json" else ())
+            for name, make in _TEXTS.items()}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("syncode")
+
+
+def _masker(backend, tokenizers, name, pad=0):
+    tok = tokenizers[name]
+    return backend.compile(builtin_grammar(name), tok, vocab_size=len(tok) + pad)
+
+
+def _advance_text(state, tokenizer, text: str) -> None:
+    for token_id in tokenizer(text)["input_ids"]:
+        state.advance(token_id)
+
+
+def _char_ids(tokenizer, text: str) -> list[int]:
+    """One token per character (byte-level single-character tokens)."""
+    from tokenizers.pre_tokenizers import ByteLevel  # noqa: F401
+
+    ids = []
+    for ch in text:
+        (token,) = tokenizer.convert_ids_to_tokens(tokenizer(ch)["input_ids"])
+        ids.append(tokenizer.convert_tokens_to_ids(token))
+    return ids
+
+
+def _greedy_ids(masker, target: str) -> list[int]:
+    """Token ids writing ``target``, each the longest allowed token that continues it."""
+    by_bytes = {b: i for i, b in enumerate(masker.compiled.token_bytes) if b}
+    state, ids, data, pos = masker.new_state(), [], target.encode(), 0
+    while pos < len(data):
+        mask = state.allowed_mask()
+        size = max(n for n in range(1, 17) if by_bytes.get(data[pos:pos + n]) is not None
+                   and mask[by_bytes[data[pos:pos + n]]])
+        ids.append(by_bytes[data[pos:pos + size]])
+        state.advance(ids[-1])
+        pos += size
+    return ids
+
+
+# ---- registration -------------------------------------------------------------------------
+def test_registered_through_entry_point(backend):
+    names = {ep.name: ep.value for ep in entry_points(group="shim_adapters")}
+    assert names.get("syncode") == "shim_syncode.plugin"
+    assert backend.name == "syncode"
+    assert backend.version == "0.4.16"
+    assert "lark" in backend.grammar_formats
+    assert set(backend.feature_status) == set(FEATURE_NAMES)
+    assert all(status is FeatureStatus.EXACT for status in backend.feature_status.values())
+
+
+# ---- soundness on random walks --------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bv4", "binary5", "json", "sql"])
+def test_random_walks_stay_in_the_language(backend, tokenizers, name):
+    """Every completed walk parses with the reference; EOS is offered exactly when it does;
+    no walk reaches a state with nothing allowed."""
+    masker = _masker(backend, tokenizers, name, pad=13)
+    ref = reference_acceptor(builtin_grammar(name))
+    tok = tokenizers[name]
+    rng = random.Random(7)
+    finished = 0
+    for _ in range(12):
+        state = masker.new_state()
+        for _ in range(80):
+            mask = state.allowed_mask()
+            assert mask.shape == (len(tok) + 13,)
+            assert not mask[len(tok):].any()
+            text = state.text()
+            assert state.eos_allowed() == ref.accepts(text), (text, state.describe())
+            assert mask[tok.eos_token_id] == state.eos_allowed()
+            allowed = np.flatnonzero(mask)
+            assert len(allowed) > 0, f"dead end: {state.describe()}"
+            if state.eos_allowed() and rng.random() < 0.5:
+                choice = tok.eos_token_id
+            else:
+                choice = int(rng.choice(allowed))
+            state.advance(choice)
+            if state.is_finished:
+                finished += 1
+                assert ref.accepts(state.text()), state.text()
+                assert not state.allowed_mask().any()
+                break
+    assert finished >= 6
+
+
+# ---- protocol details -----------------------------------------------------------------------
+def test_forbidden_token_error_names_token_step_and_state(backend, tokenizers):
+    tok = tokenizers["bv4"]
+    masker = _masker(backend, tokenizers, "bv4", pad=5)
+    state = masker.new_state()
+    state.advance(_char_ids(tok, "(")[0])
+    bad = _char_ids(tok, ")")[0]
+    assert not state.allowed_mask()[bad]
+    with pytest.raises(ForbiddenTokenError) as info:
+        state.advance(bad)
+    message = str(info.value)
+    assert info.value.token_id == bad and info.value.step == 1
+    assert "')'" in message and "step 1" in message
+    assert "parser_state=" in message and "partial_lexeme='('" in message
+    assert state.token_ids == (_char_ids(tok, "(")[0],)  # nothing was accepted
+    with pytest.raises(ForbiddenTokenError, match="padding id"):
+        state.advance(len(tok) + 2)
+
+
+def test_eos_and_finish(backend, tokenizers):
+    tok = tokenizers["binary5"]
+    masker = _masker(backend, tokenizers, "binary5")
+    state = masker.new_state()
+    for i, token_id in enumerate(_char_ids(tok, "10111")):
+        assert not state.eos_allowed()
+        assert not state.allowed_mask()[tok.eos_token_id]
+        state.advance(token_id)
+    assert state.eos_allowed() and state.allowed_mask()[tok.eos_token_id]
+    assert not state.allowed_mask()[_char_ids(tok, "1")[0]]  # the string is complete
+    state.advance(tok.eos_token_id)
+    assert state.is_finished and state.token_ids[-1] == tok.eos_token_id
+    assert state.text() == "10111"
+    assert not state.allowed_mask().any() and not state.eos_allowed()
+    with pytest.raises(ForbiddenTokenError):
+        state.advance(tok.eos_token_id)
+
+
+def test_fork_is_independent(backend, tokenizers):
+    tok = tokenizers["json"]
+    masker = _masker(backend, tokenizers, "json")
+    state = masker.new_state()
+    for token_id in _char_ids(tok, '[1, "a'):
+        state.advance(token_id)
+    twin = state.fork()
+    before = (state.token_ids, state.allowed_mask(), state.features())
+    for token_id in _char_ids(tok, 'b"]'):
+        twin.advance(token_id)
+    assert (state.token_ids, state.features()) == (before[0], before[2])
+    assert np.array_equal(state.allowed_mask(), before[1])
+    for token_id in _char_ids(tok, '", 2]'):
+        state.advance(token_id)
+    assert twin.text() == '[1, "ab"]' and twin.eos_allowed()
+    assert state.text() == '[1, "a", 2]' and state.eos_allowed()
+
+
+def test_special_tokens_other_than_eos_never_allowed(backend, tokenizers):
+    tok = tokenizers["json"]
+    pad = tok.pad_token_id
+    masker = _masker(backend, tokenizers, "json")
+    state = masker.new_state()
+    for token_id in _char_ids(tok, '"x'):  # inside a string "<pad>" would fit the grammar
+        state.advance(token_id)
+        assert not state.allowed_mask()[pad]
+    assert state.allowed_mask()[_char_ids(tok, "<")[0]]
+
+
+def test_token_ending_mid_lexeme_after_a_final_state(backend, tokenizers):
+    """SynCode's grammar_strict store forbids `.` after JSON `-48`; the plugin allows it."""
+    tok = tokenizers["json"]
+    masker = _masker(backend, tokenizers, "json")
+    state = masker.new_state()
+    for token_id in _char_ids(tok, "[-48"):
+        state.advance(token_id)
+    for token_id in _char_ids(tok, ".5]"):
+        assert state.allowed_mask()[token_id]
+        state.advance(token_id)
+    assert state.eos_allowed()
+
+
+def test_no_tab_or_broken_utf8_inside_json_strings(backend, tokenizers):
+    """SynCode's store checks tokens with tabs read as four spaces, and its byte DFAs pass any
+    unknown byte; a JSON string admits neither a raw tab nor a stray 0xF5 byte."""
+    tok = tokenizers["json"]
+    masker = _masker(backend, tokenizers, "json")
+    state = masker.new_state()
+    for token_id in _char_ids(tok, '["a'):
+        state.advance(token_id)
+    tab = _char_ids(tok, "\t")[0]
+    stray = tok.convert_tokens_to_ids("\u00f5")  # byte-level symbol of the byte 0xF5
+    store_mask = masker.compiled.mask_store.get_accept_mask(state._parser.result).numpy()
+    assert store_mask[tab] and store_mask[stray]  # SynCode 0.4.16's own lookup allows both
+    mask = state.allowed_mask()
+    assert not mask[tab] and not mask[stray]
+    assert mask[_char_ids(tok, " ")[0]]
+
+
+def test_features_match_syncode_incremental_parser(backend, tokenizers):
+    """parser_state, lexer_state and partial_lexeme equal what SynCode's own IncrementalParser
+    and MaskStore.get_fsm_states give for the same text (where SynCode's remainder is valid)."""
+    from shim_syncode._syncode_import import syncode_modules
+
+    mods = syncode_modules()
+    tok = tokenizers["json"]
+    masker = _masker(backend, tokenizers, "json")
+    compiled = masker.compiled
+    codes = compiled.state_codes
+    from shim_syncode.frontier_parser import canonical_state_numbers
+
+    base = mods["syncode.parsers"].create_base_parser(type("G", (), {"ebnf": compiled.lark_text}))
+    theirs = mods["syncode.parsers.incremental_parser"].IncrementalParser(base)
+    table = base.parser.parser._parse_table
+    names = canonical_state_numbers(table.states, table.start_states["start"])
+    target = "[" + ", ".join(_json_texts(8, seed=5)) + "]"
+    state = masker.new_state()
+    compared = 0
+    for token_id in _greedy_ids(masker, target) + [None]:
+        result = theirs.get_acceptable_next_terminals(state.text())
+        result.remainder = result.remainder.encode()
+        if compiled.mask_store.is_valid_prefix(result):
+            feats = state.features()
+            stack = theirs.interactive.parser_state.state_stack
+            assert feats.parser_state == tuple(str(names[s]) for s in reversed(stack))
+            assert feats.partial_lexeme == result.remainder.decode()
+            live = {(s.terminal, codes[s.terminal][s.state_id])
+                    for s in compiled.mask_store.get_fsm_states(result)
+                    if s.state_id in compiled.tables.live_states[s.terminal]}
+            assert feats.lexer_state == frozenset(live)
+            compared += 1
+        if token_id is not None:
+            state.advance(token_id)
+    assert compared >= 20
+
+
+# ---- the pitfalls of DESIGN.md section 4 ------------------------------------------------------
+def test_cache_key_distinguishes_tokenizers_of_same_class_and_size(backend, tmp_path,
+                                                                 monkeypatch):
+    from shim_syncode.compiled import cache_key
+
+    a = _train_tokenizer(_json_texts(800, seed=1), 300)
+    b = _train_tokenizer(_sql_texts(800, seed=1), 300)
+    assert type(a) is type(b) and a.vocab_size == b.vocab_size == len(a) == len(b)
+    grammar = builtin_grammar("json")
+    # SynCode's own cache file name: same for both tokenizers (its collision).
+    syncode_name = [f"{type(t).__name__}/grammar_strict_{t.vocab_size}" for t in (a, b)]
+    assert syncode_name[0] == syncode_name[1]
+    assert cache_key(grammar, a) != cache_key(grammar, b)
+    assert cache_key(grammar, a).tokenizer_sha256 == TokenizerIdentity.of(a).sha256
+    monkeypatch.chdir(tmp_path)
+    masker_a, masker_b = backend.compile(grammar, a), backend.compile(grammar, b)
+    assert masker_a.compiled is not masker_b.compiled
+    assert backend.compile(grammar, a).compiled is masker_a.compiled  # cache hit
+    assert list(tmp_path.iterdir()) == []  # SynCode's on-disk cache/ is never written
+    allowed = [[t.convert_ids_to_tokens(int(i))
+                for i in np.flatnonzero(m.new_state().allowed_mask())]
+               for t, m in ((a, masker_a), (b, masker_b))]
+    assert allowed[0] != allowed[1]
+
+
+def test_importing_the_plugin_leaves_root_logging_alone():
+    code = (
+        "import logging, sys\n"
+        "root = logging.getLogger()\n"
+        "h = logging.StreamHandler(sys.stderr)\n"
+        "root.addHandler(h); root.setLevel(logging.ERROR)\n"
+        "before = (list(root.handlers), root.level)\n"
+        "import shim_syncode.masker\n"
+        "assert 'syncode' in sys.modules\n"
+        "after = (list(root.handlers), root.level)\n"
+        "print(before == after, after[1], len(after[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", str(40), "1"]
+
+
+def test_grammar_mask_mode_is_refused(backend, tokenizers):
+    with pytest.raises(ValueError, match="grammar_mask"):
+        backend.compile(builtin_grammar("binary5"), tokenizers["binary5"], mode="grammar_mask")
+
+
+# ---- grammar errors and formats ---------------------------------------------------------------
+def test_malformed_grammar_names_the_line(backend, tokenizers):
+    bad = Grammar('start: item+\nitem: "a" | "b"\nitem2: ("c" \n', "lark", name="bad.lark")
+    with pytest.raises(GrammarError) as info:
+        backend.compile(bad, tokenizers["binary5"])
+    assert info.value.line in (3, 4) and "bad.lark, line" in str(info.value)
+    undefined = Grammar('start: item\n\nitem: "a" other\n', "lark", name="undef.lark")
+    with pytest.raises(GrammarError) as info:
+        backend.compile(undefined, tokenizers["binary5"])
+    assert info.value.line == 3
+
+
+@pytest.mark.parametrize("fmt,text", [("json_schema", '{"type": "string"}'), ("regex", "a+")])
+def test_non_cfg_formats_are_refused(backend, tokenizers, fmt, text):
+    with pytest.raises(UnsupportedGrammarError, match="syncode backend"):
+        backend.compile(Grammar(text, fmt), tokenizers["binary5"])
+
+
+def test_ebnf_is_converted_or_refused_clearly(backend, tokenizers):
+    ebnf = Grammar('root ::= "1" "0"*\n', "ebnf", name="tiny.ebnf")
+    try:
+        from shim_adapters.grammar_convert import ebnf_to_lark  # noqa: F401
+    except ImportError:
+        with pytest.raises(UnsupportedGrammarError, match="ebnf_to_lark"):
+            backend.compile(ebnf, tokenizers["binary5"])
+    else:
+        state = backend.compile(ebnf, tokenizers["binary5"]).new_state()
+        state.advance(_char_ids(tokenizers["binary5"], "1")[0])
+        assert state.eos_allowed()
+
+
+# ---- tokens spanning several terminals ------------------------------------------------------
+def test_tokens_spanning_three_terminals_are_allowed(backend, tokenizers):
+    """SynCode 0.4.16's grammar_strict store lets a token reach into at most ONE next terminal
+    (none from an unfinished lexeme): bv4 ``))`` after ``(bvnot s`` is masked there although
+    the text parses. The plugin verifies such tokens with the parser and allows them."""
+    tok = tokenizers["bv4"]
+    masker = _masker(backend, tokenizers, "bv4")
+    prefix = "(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) (bvneg (bvnot s"
+    assert reference_acceptor(builtin_grammar("bv4")).accepts(prefix + ")))")
+    state = masker.new_state()
+    for token_id in _char_ids(tok, prefix):
+        state.advance(token_id)
+    double = tok.convert_tokens_to_ids("))")
+    assert double is not None and double != tok.unk_token_id
+    store_mask = masker.compiled.mask_store.get_accept_mask(state._parser.result).numpy()
+    assert not store_mask[double]  # SynCode's own lookup: blocked
+    mask = state.allowed_mask()
+    assert mask[double]
+    state.advance(double)
+    assert not mask[tok.convert_tokens_to_ids(")")] or state.allowed_mask()[
+        tok.convert_tokens_to_ids(")")]
+    state.advance(tok.convert_tokens_to_ids(")"))
+    assert state.eos_allowed()
+
+
+@pytest.mark.parametrize("name", ["bv4", "json", "sql"])
+def test_canonical_tokenizations_are_allowed(backend, tokenizers, name):
+    """An LM's own tokenization of valid text is never blocked (tokens span terminals)."""
+    tok = tokenizers[name]
+    masker = _masker(backend, tokenizers, name)
+    ref = reference_acceptor(builtin_grammar(name))
+    for text in _TEXTS[name](15, seed=11):
+        assert ref.accepts(text)
+        state = masker.new_state()
+        for token_id in tok(text)["input_ids"]:
+            assert state.allowed_mask()[token_id], (tok.convert_ids_to_tokens(token_id),
+                                                    state.describe())
+            state.advance(token_id)
+        assert state.eos_allowed(), state.describe()
