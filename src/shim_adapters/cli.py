@@ -138,5 +138,51 @@ def sample_command(grammar_spec, backend, lm_spec, controller_dir, prompt, promp
         click.echo(json.dumps({"text": text, "complete": complete}, ensure_ascii=False))
 
 
+@main.command("eval")
+@click.option("--suite", required=True,
+              help="fast, binary5, json, sql, bv4, spider, or a suite file (.json/.toml).")
+@click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Benchmark data for the bv4/spider suites (e.g. ../shared/benchmarks/BV4).")
+@click.option("--lm", "lm_spec", default=None, help="default, a model dir, a .gguf, or smollm2.")
+@click.option("--backend", default="xgrammar", show_default=True)
+@click.option("--methods", default="masking,lr_nt,lr_full,mlp,asap,rejection", show_default=True,
+              help="Comma-separated methods.")
+@click.option("--n-samples", default=1000, show_default=True,
+              help="Unconstrained LM samples whose valid ones form the KL support.")
+@click.option("--n-train", default=None, type=int, help="Controller training samples.")
+@click.option("--asap-samples", default=100, show_default=True)
+@click.option("--cases", default=None, help="Comma-separated case names to run.")
+@click.option("--limit", default=None, type=int, help="Run only the first N cases.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_dir", default="runs/eval", show_default=True,
+              type=click.Path(file_okay=False))
+def eval_command(suite, data_dir, lm_spec, backend, methods, n_samples, n_train, asap_samples,
+                 cases, limit, seed, out_dir) -> None:
+    """KL to the grammar-conditioned target and time per sample, per method and case."""
+    from .evaluation.report import markdown
+    from .evaluation.runner import run_eval
+
+    report = run_eval(suite, lm_spec=lm_spec, backend=backend,
+                      methods=[m.strip() for m in methods.split(",") if m.strip()],
+                      n_samples=n_samples, seed=seed, out_dir=out_dir, n_train=n_train,
+                      asap_samples=asap_samples, data_dir=data_dir, limit=limit,
+                      cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
+    click.echo(markdown(report))
+    click.echo(f"wrote {out_dir}")
+
+
+@main.command("conformance", add_help_option=False,
+              context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def conformance_command(args) -> None:
+    """Fuzz a backend against a tokenizer and grammar (--backend B --tokenizer T --grammar G,
+    or --profile-file F; --help for all options). Exits non-zero on any soundness failure."""
+    import sys
+
+    from .conformance.__main__ import main as conformance_main
+
+    sys.exit(conformance_main(list(args)))
+
+
 if __name__ == "__main__":
     main()

@@ -121,6 +121,7 @@ def run_demo(grammar: str = "binary5", backend: str | None = None, n_train: int 
         raise RuntimeError(f"masker {backend} allows strings the reference rejects: "
                            f"{exact.reference_rejects}")
     result = DemoResult(grammar=grammar, backend=backend, n_train=n_train)
+    _ms_per_sample(lm, masker, None, prompt, 8, seed)  # warm caches before timing anything
     result.distributions["target"] = exact.by_string(exact.target())
     for method in ("masking", *kinds):
         controller = controllers.get(method)
