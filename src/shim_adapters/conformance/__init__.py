@@ -1,0 +1,20 @@
+"""Conformance: does a masker, compiled for *your* tokenizer and grammar, keep its promises?
+
+Checks (each with counts and, on failure, a minimised repro: grammar, prefix text, token id
+and token text): soundness, completeness (canonical and non-canonical tokenizations), no dead
+ends, tokenizer edge cases, γ behaviour, and a differential comparison across backends. Every
+verdict comes from references independent of the backends (:mod:`shim_adapters.reference`,
+:mod:`.prefix`). See ``conformance/README.md`` for the CI recipe.
+
+    from shim_adapters.conformance import run_conformance
+    report = run_conformance("xgrammar", "gpt2", "json", profile="fast")
+    print(report.to_markdown()); raise SystemExit(report.exit_code)
+"""
+
+from .profiles import PROFILES, Profile, get_profile
+from .report import CellResult, CheckResult, DifferentialResult, Report, Repro
+from .runner import resolve_tokenizer, run_conformance, run_matrix, run_profile_file
+
+__all__ = ["PROFILES", "CellResult", "CheckResult", "DifferentialResult", "Profile", "Report",
+           "Repro", "get_profile", "resolve_tokenizer", "run_conformance", "run_matrix",
+           "run_profile_file"]

@@ -1,0 +1,551 @@
+"""The conformance checks for one masker (backend x tokenizer x grammar).
+
+Every verdict comes from references that share no code with the masker: the reference
+acceptor for finished strings, the prefix checkers of :mod:`.prefix` for unfinished ones, the
+tokenizer definition for token bytes. Failures are minimised (fewest prefix tokens, shortest
+valid string) before they are reported, with the grammar, prefix text, token id and text.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import ForbiddenTokenError, ShimError
+from ..grammar import Grammar
+from ..protocol import Masker, MaskerState
+from ..reference import reference_acceptor
+from .generate import valid_strings
+from .known_bugs import match_known_bug
+from .prefix import LarkPrefixChecker, PrefixUndecided
+from .profiles import Profile
+from .report import CheckResult, Repro
+from .vocab import Vocabulary, decode_prefix
+
+_CLOSERS = frozenset(b")]};\"'")
+_OPENERS = frozenset(b"([{")
+
+
+@dataclass
+class CellContext:
+    """Everything the checks of one cell share."""
+
+    masker: Masker
+    grammar: Grammar
+    vocab: Vocabulary
+    tokenizer_name: str
+    profile: Profile
+    prefix: object | None
+    rng: random.Random
+    notes: list[str] = field(default_factory=list)
+    mask_calls: int = 0
+    seconds_per_mask: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reference = reference_acceptor(self.grammar)
+        self.n_tokens = len(self.vocab.tokenizer)
+        width = self.masker.vocab_size
+        self.is_text = np.zeros(width, dtype=bool)
+        self.is_text[self.vocab.text_ids[self.vocab.text_ids < width]] = True
+        self.eos_ids = sorted(i for i in self.masker.eos_token_ids if i < width)
+        self.non_eos_special = np.array(sorted(self.vocab.special_ids
+                                               - set(self.masker.eos_token_ids)), dtype=np.int64)
+        self.non_eos_special = self.non_eos_special[self.non_eos_special < width]
+        ids = np.arange(width, dtype=np.float64)
+        self.rare_weight = ((ids + 1) / max(self.n_tokens, 1)) ** 4 + 1e-6
+        # Steering towards an end: tokens that only close (rank 0), neither open nor close
+        # (1), open (2); shorter first.
+        self.finish_rank = np.full(width, 10**6, dtype=np.int64)
+        for i in self.vocab.text_ids:
+            i = int(i)
+            if i >= width:
+                continue
+            b = self.vocab.token_bytes[i]
+            if self.vocab.is_partial_utf8(i):
+                self.rare_weight[i] *= 20
+            chars = set(b)
+            rank = 0 if (chars & _CLOSERS and not chars & _OPENERS) else \
+                1 if not chars & _OPENERS else 2
+            self.finish_rank[i] = rank * 1000 + min(len(b), 999)
+        self.np_rng = np.random.default_rng(self.profile.seed)
+
+    def sample(self, ids: np.ndarray, k: int) -> list[int]:
+        """Up to ``k`` distinct ids drawn from ``ids``."""
+        if k <= 0 or not len(ids):
+            return []
+        if k >= len(ids):
+            return [int(i) for i in ids]
+        return [int(i) for i in self.np_rng.choice(ids, size=k, replace=False)]
+
+    # ---- helpers ------------------------------------------------------------------------
+    def data(self, ids: Sequence[int]) -> bytes:
+        return self.vocab.to_bytes(ids) or b""
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.data(ids).decode(errors="replace")
+
+    def replay(self, ids: Sequence[int]) -> MaskerState | None:
+        state = self.masker.new_state()
+        try:
+            for t in ids:
+                state.advance(int(t))
+        except ShimError:
+            return None
+        return state
+
+    def viable(self, data: bytes) -> bool | None:
+        """Whether output bytes can still become a string of the grammar (None: undecided)."""
+        try:
+            text, tail = decode_prefix(data)
+        except UnicodeDecodeError:
+            return False
+        if tail or self.prefix is None:
+            return None
+        try:
+            return self.prefix.viable(text)
+        except PrefixUndecided:
+            return None
+
+    def accepts(self, ids: Sequence[int]) -> bool:
+        try:
+            text = self.data(ids).decode()
+        except UnicodeDecodeError:
+            return False
+        return self.reference.accepts(text)
+
+    def repro(self, check: str, kind: str, prefix_ids: Sequence[int], token_id: int | None,
+              detail: str) -> Repro:
+        return Repro(check=check, kind=kind, backend=self.masker.backend_name,
+                     tokenizer=self.tokenizer_name, grammar=self.grammar.name,
+                     prefix_text=self.text(prefix_ids), prefix_token_ids=[int(i) for i in prefix_ids],
+                     token_id=None if token_id is None else int(token_id),
+                     token_text=None if token_id is None else self.vocab.text_of(int(token_id)),
+                     detail=detail)
+
+    def fail(self, result: CheckResult, repro: Repro) -> None:
+        result.add_failure(repro, match_known_bug(repro, self.masker.backend_version),
+                           keep=self.profile.keep_failures)
+
+
+def minimise(items: list, still_fails: Callable[[list], bool], budget: int) -> list:
+    """Delta debugging: a shorter list for which ``still_fails`` holds (within ``budget``)."""
+    current = list(items)
+    chunk = max(1, len(current) // 2)
+    calls = 0
+    while chunk >= 1 and current and calls < budget:
+        i = 0
+        removed = False
+        while i < len(current) and calls < budget:
+            candidate = current[:i] + current[i + chunk:]
+            calls += 1
+            if still_fails(candidate):
+                current = candidate
+                removed = True
+            else:
+                i += chunk
+        if not removed:
+            if chunk == 1:
+                break
+            chunk //= 2
+    return current
+
+
+# ---------------------------------------------------------------------------------------------
+# Soundness + no dead ends: random walks over the masker's own allowed tokens
+# ---------------------------------------------------------------------------------------------
+def walks(ctx: CellContext, sound: CheckResult, dead: CheckResult) -> None:
+    p = ctx.profile
+    finished = unfinished = undecided = 0
+    t0 = time.perf_counter()
+    masks0 = ctx.mask_calls
+    done = 0
+    for w in range(p.uniform_walks + p.rare_walks):
+        if time.perf_counter() - t0 > p.phase_budget_s:
+            sound.notes.append(f"walks stopped by the time budget ({p.phase_budget_s:.0f} s) "
+                               f"after {done} of {p.uniform_walks + p.rare_walks}")
+            break
+        done += 1
+        strategy = "uniform" if w < p.uniform_walks else "rare"
+        outcome, n_undecided = _walk(ctx, strategy, sound, dead,
+                                     deadline=t0 + p.phase_budget_s)
+        undecided += n_undecided
+        if outcome == "finished":
+            finished += 1
+        elif outcome == "unfinished":
+            unfinished += 1
+    calls = ctx.mask_calls - masks0
+    ctx.seconds_per_mask = (time.perf_counter() - t0) / calls if calls else 0.0
+    sound.info.update(walks=done, finished=finished, unfinished_at_cap=unfinished,
+                      undecided_prefixes=undecided,
+                      ms_per_mask_incl_checks=round(1000 * ctx.seconds_per_mask, 2))
+    if ctx.prefix is None:
+        sound.notes.append("no prefix reference for this grammar: allowed tokens are judged "
+                           "only through finished strings and EOS")
+
+
+def _choose(ctx: CellContext, strategy: str, allowed: np.ndarray, eos: bool, step: int) -> int | None:
+    """The next token of a walk (None: EOS)."""
+    budget = ctx.profile.walk_budget
+    rng = ctx.rng
+    if eos and (not len(allowed) or step >= budget or rng.random() < 0.25):
+        return None
+    if step >= budget:
+        ranks = ctx.finish_rank[allowed]
+        best = allowed[ranks == ranks.min()]
+        return int(best[rng.randrange(len(best))])
+    if strategy == "rare":
+        w = ctx.rare_weight[allowed]
+        return int(allowed[np.searchsorted(np.cumsum(w), rng.random() * w.sum())
+                           .clip(0, len(allowed) - 1)])
+    return int(allowed[rng.randrange(len(allowed))])
+
+
+def _walk(ctx: CellContext, strategy: str, sound: CheckResult, dead: CheckResult,
+          deadline: float = float("inf")) -> tuple[str, int]:
+    m = ctx.masker
+    p = ctx.profile
+    state = m.new_state()
+    ids: list[int] = []
+    undecided = 0
+    for step in range(2 * p.walk_budget):
+        if time.perf_counter() > deadline:
+            sound.notes.append(f"a walk was cut at step {step} by the time budget "
+                               f"({p.phase_budget_s:.0f} s)")
+            return "cut", undecided
+        mask = state.allowed_mask()
+        ctx.mask_calls += 1
+        if not _state_checks(ctx, state, mask, ids, sound):
+            return "failed", undecided
+        eos = state.eos_allowed()
+        allowed = np.flatnonzero(mask & ctx.is_text)
+        if not len(allowed) and not eos:
+            ctx.fail(dead, ctx.repro("no_dead_ends", "dead_end", ids[:-1],
+                                     ids[-1] if ids else None,
+                                     "no token and no EOS allowed after this token"))
+            return "failed", undecided
+        # Each allowed token sampled must extend to a viable prefix; the chosen one first.
+        choice = _choose(ctx, strategy, allowed, eos, step)
+        sample = [choice] if choice is not None else []
+        k = p.tokens_per_step
+        sample += ctx.sample(allowed, k)
+        data = ctx.data(ids)
+        for t in dict.fromkeys(sample):
+            verdict = ctx.viable(data + (ctx.vocab.token_bytes[t] or b""))
+            if verdict is None:
+                undecided += 1
+            elif sound.count(verdict):
+                pass
+            else:
+                _report_unsound(ctx, sound, ids, t)
+                if t == choice:
+                    return "failed", undecided
+        # Dead ends: follow a few allowed tokens one step.
+        for t in ctx.sample(allowed, p.dead_end_tokens_per_step):
+            nxt = state.fork()
+            nxt.advance(int(t))
+            ctx.mask_calls += 1
+            ok = bool(nxt.allowed_mask().any()) or nxt.eos_allowed()
+            if dead.count(ok):
+                continue
+            if ctx.viable(data + (ctx.vocab.token_bytes[int(t)] or b"")) is False:
+                continue  # already an unsound token; the dead end follows from it
+            ctx.fail(dead, ctx.repro("no_dead_ends", "dead_end", ids, int(t),
+                                     "after this token no token and no EOS is allowed"))
+        if choice is None:
+            state.advance(ctx.eos_ids[0])
+            after = state.allowed_mask()
+            if sound.count(state.is_finished and not after.any()):
+                return "finished", undecided
+            ctx.fail(sound, ctx.repro("soundness", "allows_after_eos", ids, None,
+                                      f"after EOS is_finished={state.is_finished} and "
+                                      f"{int(after.sum())} tokens still allowed"))
+            return "failed", undecided
+        state.advance(choice)
+        ids.append(choice)
+    return "unfinished", undecided
+
+
+def _state_checks(ctx: CellContext, state: MaskerState, mask: np.ndarray, ids: list[int],
+                  sound: CheckResult) -> bool:
+    """Per-state soundness: shape, padding, special tokens, EOS only where accepting."""
+    width = ctx.masker.vocab_size
+    if not sound.count(mask.shape == (width,) and mask.dtype == np.bool_):
+        ctx.fail(sound, ctx.repro("soundness", "mask_shape", ids, None,
+                                  f"mask shape {mask.shape} dtype {mask.dtype}, logits width "
+                                  f"{width}"))
+        return False
+    pad = np.flatnonzero(mask[ctx.n_tokens:])
+    if not sound.count(not len(pad)):
+        _report_minimised(ctx, sound, "padding_allowed", ids, ctx.n_tokens + int(pad[0]),
+                          lambda st: bool(st.allowed_mask()[ctx.n_tokens + int(pad[0])]),
+                          f"{len(pad)} padding ids allowed")
+        return False
+    special = ctx.non_eos_special[mask[ctx.non_eos_special]] if len(ctx.non_eos_special) else []
+    if not sound.count(not len(special)):
+        t = int(special[0])
+        _report_minimised(ctx, sound, "special_allowed", ids, t,
+                          lambda st: bool(st.allowed_mask()[t]),
+                          f"{len(special)} special (non-EOS) tokens allowed")
+        return False
+    eos = state.eos_allowed()
+    in_mask = any(bool(mask[e]) for e in ctx.eos_ids)
+    if not sound.count(eos == in_mask):
+        ctx.fail(sound, ctx.repro("soundness", "eos_mask_mismatch", ids, None,
+                                  f"eos_allowed()={eos} but EOS in mask={in_mask}"))
+        return False
+    if eos and not sound.count(ctx.accepts(ids)):
+        _report_minimised(ctx, sound, "eos_not_accepting", ids, None,
+                          lambda st: st.eos_allowed(),
+                          "EOS allowed but the reference does not accept the text",
+                          also=lambda sub: not ctx.accepts(sub))
+        return False
+    return True
+
+
+def _report_minimised(ctx: CellContext, result: CheckResult, kind: str, ids: list[int],
+                      token: int | None, holds: Callable[[MaskerState], bool], detail: str,
+                      also: Callable[[list], bool] | None = None) -> None:
+    def still_fails(sub: list) -> bool:
+        state = ctx.replay(sub)
+        return state is not None and holds(state) and (also is None or also(sub))
+
+    short = minimise(list(ids), still_fails, ctx.profile.minimise_budget)
+    ctx.fail(result, ctx.repro(result.name, kind, short, token, detail))
+
+
+def _report_unsound(ctx: CellContext, sound: CheckResult, ids: list[int], token: int) -> None:
+    def still_fails(sub: list) -> bool:
+        state = ctx.replay(sub)
+        return (state is not None and bool(state.allowed_mask()[token])
+                and ctx.viable(ctx.data(sub) + (ctx.vocab.token_bytes[token] or b"")) is False)
+
+    short = minimise(list(ids), still_fails, ctx.profile.minimise_budget)
+    ctx.fail(sound, ctx.repro("soundness", "unsound_token", short, token,
+                              "token allowed but no string of the grammar starts with the text "
+                              "plus this token"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Completeness: valid strings under canonical (and non-canonical) tokenizations
+# ---------------------------------------------------------------------------------------------
+def _follow(ctx: CellContext, ids: Sequence[int]) -> tuple[int | None, bool, list[bool]]:
+    """Feed ``ids``: (index of the first refused token or None, EOS allowed at the end,
+    whether EOS was allowed before each token)."""
+    state = ctx.masker.new_state()
+    eos_before = []
+    for i, t in enumerate(ids):
+        mask = state.allowed_mask()
+        eos_before.append(state.eos_allowed())
+        if not mask[t]:
+            return i, False, eos_before
+        state.advance(int(t))
+    return None, state.eos_allowed(), eos_before
+
+
+def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound: CheckResult
+                 ) -> None:
+    p = ctx.profile
+    strings, rejected = valid_strings(ctx.grammar, p.valid_strings, p.seed)
+    comp.info.update(strings=len(strings), generator_rejects=rejected)
+    if rejected:
+        comp.notes.append(f"{rejected} generated strings were rejected by the reference "
+                          "(generator vs Earley lexing) and not used")
+    if not strings:
+        comp.notes.append("the generator produced no valid string for this grammar")
+    claims = bool(getattr(ctx.masker, "supports_non_canonical", False))
+    noncanon: dict[str, list[int]] = {}
+    categories = {"leading_space": [0, 0], "multi_terminal": [0, 0], "partial_utf8": [0, 0],
+                  "three_plus_terminals": [0, 0]}
+    modes = {}
+    t0 = time.perf_counter()
+    for n_done, (mode, s) in enumerate(strings):
+        if time.perf_counter() - t0 > p.phase_budget_s:
+            comp.notes.append(f"canonical strings stopped by the time budget after {n_done} "
+                              f"of {len(strings)}")
+            strings = strings[:n_done]
+            break
+        ids, how = ctx.vocab.canonical(s)
+        modes[how] = modes.get(how, 0) + 1
+        refused, eos_end, eos_before = _follow(ctx, ids)
+        _categorise(ctx, s, ids, refused, categories, edges)
+        # EOS before the end is only sound where the prefix itself is accepted.
+        for i, flag in enumerate(eos_before[1:], start=1):
+            if flag and not sound.count(ctx.accepts(ids[:i])):
+                ctx.fail(sound, ctx.repro("soundness", "eos_not_accepting", ids[:i], None,
+                                          "EOS allowed inside a valid string where the prefix "
+                                          "is not accepted"))
+        if refused is None and comp.count(eos_end):
+            continue
+        _report_incomplete(ctx, comp, s, mode)
+        continue
+    comp.info.update(tokenization=modes)
+    t0 = time.perf_counter()
+    for n_done, (mode, s) in enumerate(strings):
+        if time.perf_counter() - t0 > p.phase_budget_s:
+            comp.notes.append(f"non-canonical tokenizations stopped by the time budget after "
+                              f"{n_done} of {len(strings)} strings")
+            break
+        variants = [("char_by_char", ctx.vocab.char_by_char(s))]
+        for _ in range(max(0, p.noncanonical_per_string - 1)):
+            variants.append(("random_segmentation", ctx.vocab.segmentation(s, ctx.rng)))
+        if any(ord(c) > 127 for c in s):
+            variants.append(("bytewise_utf8", ctx.vocab.bytewise(s)))
+        canonical = ctx.vocab.canonical(s)[0]
+        for kind, ids in variants:
+            if ids is None or ids == canonical:
+                continue
+            refused, eos_end, _ = _follow(ctx, ids)
+            ok = refused is None and eos_end
+            stats = noncanon.setdefault(kind, [0, 0])
+            stats[0 if ok else 1] += 1
+            if not ok and claims:
+                ctx.fail(comp, ctx.repro("completeness", f"non_canonical_refused:{kind}",
+                                         ids[:refused or 0], None if refused is None else ids[refused],
+                                         "backend claims non-canonical support"))
+    comp.info["non_canonical_accepted_refused"] = noncanon
+    if noncanon and not claims:
+        comp.notes.append("non-canonical tokenizations are recorded, not judged (the backend "
+                          "does not claim to accept them): " + ", ".join(
+                              f"{k} {a} accepted / {r} refused" for k, (a, r) in noncanon.items()))
+    edges.info["categories_seen_refused"] = categories
+
+
+def _categorise(ctx: CellContext, s: str, ids: list[int], refused: int | None,
+                categories: dict, edges: CheckResult) -> None:
+    """Count the canonical tokens of each edge category and whether the masker took them."""
+    spans = ctx.prefix.terminal_spans(s) if isinstance(ctx.prefix, LarkPrefixChecker) else None
+    boundaries = sorted({e for _, _, e in spans}) if spans else []
+    pos = 0
+    char_of_byte = _char_offsets(s)
+    limit = len(ids) if refused is None else refused + 1
+    for i, t in enumerate(ids[:limit]):
+        b = ctx.vocab.token_bytes[t] or b""
+        start, end = char_of_byte(pos), char_of_byte(pos + len(b))
+        pos += len(b)
+        inner = [x for x in boundaries if start < x < end]
+        flags = []
+        if ctx.vocab.has_leading_space(t):
+            flags.append("leading_space")
+        if inner:
+            flags.append("multi_terminal")
+        if len(inner) >= 2:
+            flags.append("three_plus_terminals")
+        if ctx.vocab.is_partial_utf8(t):
+            flags.append("partial_utf8")
+        ok = i != refused
+        for f in flags:
+            categories[f][0 if ok else 1] += 1
+            if ok:
+                edges.passed += 1
+            else:
+                ctx.fail(edges, ctx.repro("tokenizer_edges", f"refused_{f}", ids[:i], t,
+                                          f"canonical token of a valid string refused "
+                                          f"(terminals={len(inner) + 1})"))
+
+
+def _char_offsets(s: str) -> Callable[[int], int]:
+    """Byte offset -> character offset in ``s`` (a byte inside a character maps into it)."""
+    table = []
+    for ci, ch in enumerate(s):
+        table.extend([ci] * len(ch.encode()))
+    table.append(len(s))
+    return lambda b: table[min(b, len(table) - 1)]
+
+
+def _report_incomplete(ctx: CellContext, comp: CheckResult, s: str, mode: str) -> None:
+    """Shrink the valid string while it stays valid and still fails, then report."""
+    def fails(chars: list) -> bool:
+        text = "".join(chars)
+        if not text or not ctx.reference.accepts(text):
+            return False
+        ids = ctx.vocab.canonical(text)[0]
+        refused, eos_end, _ = _follow(ctx, ids)
+        return refused is not None or not eos_end
+
+    short = "".join(minimise(list(s), fails, ctx.profile.minimise_budget))
+    ids = ctx.vocab.canonical(short)[0]
+    refused, eos_end, _ = _follow(ctx, ids)
+    if refused is not None:
+        spans = ctx.prefix.terminal_spans(short) if isinstance(ctx.prefix, LarkPrefixChecker) \
+            else None
+        ctx.fail(comp, ctx.repro("completeness", "valid_token_refused", ids[:refused],
+                                 ids[refused], f"valid string {short!r} (from a {mode!r} string "
+                                 f"of {len(s)} chars) refused at token {refused}"
+                                 + _terminal_note(ctx, short, ids, refused, spans)))
+    else:
+        ctx.fail(comp, ctx.repro("completeness", "eos_refused_at_end", ids, None,
+                                 f"valid string {short!r} fully accepted but EOS refused at "
+                                 "its end"))
+
+
+def _terminal_note(ctx, s, ids, refused, spans) -> str:
+    if not spans:
+        return ""
+    start = len(ctx.data(ids[:refused]))
+    end = start + len(ctx.vocab.token_bytes[ids[refused]] or b"")
+    cs, ce = _char_offsets(s)(start), _char_offsets(s)(end)
+    inside = [name for name, a, b in spans if a < ce and b > cs]
+    return f"; token covers terminals {inside} (terminals={len(inside)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer edge-case probes: padding and special ids are refused by advance()
+# ---------------------------------------------------------------------------------------------
+def edge_probes(ctx: CellContext, edges: CheckResult) -> None:
+    m = ctx.masker
+    state = m.new_state()
+    width = m.vocab_size
+    edges.info.update(logits_width=width, tokenizer_len=ctx.n_tokens,
+                      padding_ids=max(0, width - ctx.n_tokens),
+                      special_ids=len(ctx.vocab.special_ids), scheme=ctx.vocab.scheme)
+    probes = []
+    if width > ctx.n_tokens:
+        probes.append(("padding", width - 1))
+    if len(ctx.non_eos_special):
+        probes.append(("special", int(ctx.non_eos_special[0])))
+    disallowed = np.flatnonzero(~state.allowed_mask() & ctx.is_text)
+    if len(disallowed):
+        probes.append(("text", int(disallowed[0])))
+    for kind, token in probes:
+        probe = state.fork()
+        try:
+            probe.advance(token)
+            ok = False
+            why = "advance() accepted it"
+        except ForbiddenTokenError as exc:
+            ok = exc.token_id == token and exc.step == 0
+            why = f"ForbiddenTokenError names token {exc.token_id} step {exc.step}"
+        except Exception as exc:  # noqa: BLE001 - any other error is the finding
+            ok = False
+            why = f"raised {type(exc).__name__}: {exc}"
+        if not edges.count(ok):
+            ctx.fail(edges, ctx.repro("tokenizer_edges", f"forbidden_{kind}_not_refused", [],
+                                      token, why))
+    if not len(ctx.non_eos_special):
+        edges.notes.append("tokenizer has no special token besides EOS: special-token probe "
+                           "not applicable")
+    if width == ctx.n_tokens:
+        edges.notes.append("logits width equals the vocabulary: no padding ids to probe")
+
+
+def run_cell_checks(ctx: CellContext) -> dict[str, CheckResult]:
+    """All per-masker checks; the γ check is added by the runner."""
+    sound = CheckResult("soundness")
+    comp = CheckResult("completeness")
+    dead = CheckResult("no_dead_ends")
+    edges = CheckResult("tokenizer_edges")
+    t0 = time.perf_counter()
+    walks(ctx, sound, dead)
+    t1 = time.perf_counter()
+    completeness(ctx, comp, edges, sound)
+    t2 = time.perf_counter()
+    edge_probes(ctx, edges)
+    t3 = time.perf_counter()
+    sound.seconds = dead.seconds = round(t1 - t0, 3)
+    comp.seconds = round(t2 - t1, 3)
+    edges.seconds = round(t3 - t2, 3)
+    return {c.name: c for c in (sound, comp, dead, edges)}

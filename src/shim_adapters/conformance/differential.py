@@ -1,0 +1,127 @@
+"""Differential check: several backends, one grammar and tokenizer, masks compared per step.
+
+Walks follow tokens every backend allows (valid strings under their canonical tokenization,
+then random walks over the intersection). At each step every token one backend allows and
+another refuses is adjudicated by the prefix reference: a viable extension means the refusing
+backends are incomplete there; a non-viable one means the allowing backends are unsound.
+Each disagreement is kept at its shortest prefix (its first step along any walk).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Sequence
+
+import numpy as np
+
+from ..protocol import Masker
+from .checks import CellContext
+from .generate import valid_strings
+from .report import DifferentialResult
+
+
+def differential(contexts: Sequence[CellContext]) -> DifferentialResult:
+    """Compare the maskers of ``contexts`` (same grammar and tokenizer, different backends)."""
+    t0 = time.perf_counter()
+    ref = contexts[0]
+    p = ref.profile
+    names = [c.masker.backend_name for c in contexts]
+    result = DifferentialResult(tokenizer=ref.tokenizer_name, grammar=ref.grammar.name,
+                                backends=names,
+                                verdicts={n: {"unsound": 0, "incomplete": 0, "undecided": 0}
+                                          for n in names})
+    widths = {c.masker.vocab_size for c in contexts}
+    if len(widths) != 1:
+        result.notes.append(f"maskers disagree on the logits width {sorted(widths)}")
+        return result
+    rng = random.Random(p.seed + 7)
+    strings, _ = valid_strings(ref.grammar, max(1, p.differential_walks // 2), p.seed + 1)
+    seeds: list[list[int] | None] = [ref.vocab.canonical(s)[0] for _, s in strings]
+    seeds += [None] * (p.differential_walks - len(seeds))
+    best: dict[tuple, dict] = {}
+    for planned in seeds:
+        if time.perf_counter() - t0 > p.phase_budget_s:
+            result.notes.append(f"stopped by the time budget after {result.walks} of "
+                                f"{len(seeds)} walks")
+            break
+        result.walks += 1
+        _walk(contexts, planned, rng, result, best)
+    result.repros = sorted(best.values(), key=lambda r: (r["verdict"], len(r["prefix_text"])))
+    result.repros = result.repros[:p.keep_failures]
+    result.seconds = round(time.perf_counter() - t0, 3)
+    return result
+
+
+def _walk(contexts, planned, rng, result: DifferentialResult, best: dict) -> None:
+    ref = contexts[0]
+    p = ref.profile
+    states = [c.masker.new_state() for c in contexts]
+    ids: list[int] = []
+    for step in range(len(planned) if planned is not None else 2 * p.walk_budget):
+        masks = np.stack([s.allowed_mask() for s in states]) & ref.is_text
+        eos = [s.eos_allowed() for s in states]
+        result.steps += 1
+        result.tokens_compared += int(masks.any(axis=0).sum())
+        differ = np.flatnonzero(masks.any(axis=0) & ~masks.all(axis=0))
+        data = ref.data(ids)
+        if len(differ):
+            result.disagreements += len(differ)
+            pick = differ if len(differ) <= p.differential_tokens_per_step else \
+                rng.sample(list(differ), p.differential_tokens_per_step)
+            for t in pick:
+                verdict = ref.viable(data + (ref.vocab.token_bytes[int(t)] or b""))
+                _record(contexts, masks[:, t], int(t), verdict, ids, result, best)
+        if len(set(eos)) > 1:
+            result.disagreements += 1
+            _record(contexts, np.array(eos), None, ref.accepts(ids), ids, result, best)
+        common = np.flatnonzero(masks.all(axis=0))
+        if planned is not None:
+            t = planned[step]
+            if not masks[:, t].all():
+                return  # a backend refuses the valid string here: recorded above
+        else:
+            if all(eos) and (not len(common) or step >= p.walk_budget or rng.random() < 0.2):
+                return
+            if not len(common):
+                return
+            t = int(common[rng.randrange(len(common))])
+        for s in states:
+            s.advance(int(t))
+        ids.append(int(t))
+
+
+def _record(contexts, allowed_by: np.ndarray, token: int | None, verdict: bool | None,
+            ids: list[int], result: DifferentialResult, best: dict) -> None:
+    ref = contexts[0]
+    names = [c.masker.backend_name for c in contexts]
+    yes = [n for n, a in zip(names, allowed_by) if a]
+    no = [n for n, a in zip(names, allowed_by) if not a]
+    label = "undecided" if verdict is None else "viable" if verdict else "not viable"
+    if verdict is None:
+        for n in names:
+            result.verdicts[n]["undecided"] += 1
+    elif verdict:
+        for n in no:
+            result.verdicts[n]["incomplete"] += 1
+    else:
+        for n in yes:
+            result.verdicts[n]["unsound"] += 1
+    key = (token, tuple(yes), label)
+    prefix_text = ref.text(ids)
+    if key in best and len(best[key]["prefix_text"]) <= len(prefix_text):
+        return
+    best[key] = {
+        "token": "EOS" if token is None else f"{token} {ref.vocab.text_of(token)!r}",
+        "token_id": token, "prefix_text": prefix_text, "prefix_token_ids": list(ids),
+        "allowed_by": yes, "refused_by": no,
+        "verdict": ("accepting" if verdict else "not accepting") if token is None else label,
+    }
+
+
+def masker_groups(maskers: Sequence[Masker]) -> list[list[Masker]]:
+    """Maskers grouped by (grammar, tokenizer identity)."""
+    groups: dict[tuple, list[Masker]] = {}
+    for m in maskers:
+        groups.setdefault((m.grammar.sha256, m.tokenizer_identity.sha256), []).append(m)
+    return [g for g in groups.values() if len(g) > 1]

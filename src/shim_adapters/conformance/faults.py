@@ -1,0 +1,157 @@
+"""Fault injection: wrap a real masker with one known defect, to prove the checks catch it.
+
+A conformance or contract run that passes on a healthy backend says little unless the same
+run fails on a broken one. :func:`faulty_backend` returns a BackendSpec whose maskers are a
+real backend's maskers with exactly one defect injected; the test suites run the checks on it
+and require the defect to be reported (with its minimised repro).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from ..backends import BackendSpec
+from ..errors import ForbiddenTokenError
+from ..protocol import Masker, MaskerState, StateFeatures
+
+#: The defects that can be injected.
+FAULTS = {
+    "padding_allowed": "the last padding id is always allowed",
+    "eos_always": "EOS is always allowed (and in the mask)",
+    "unsound_token": "one token the grammar never allows at the start is allowed there",
+    "refuse_token": "the most frequent allowed token is refused everywhere after the start",
+    "no_raise": "advance() silently accepts forbidden tokens",
+    "shared_fork": "fork() returns the same state",
+    "features_none": "features() returns None for features declared present",
+    "short_mask": "the mask is one entry shorter than the logits width",
+    "sticky_refusal": "a refused token still advances the step counter",
+}
+
+
+class FaultyState(MaskerState):
+    def __init__(self, masker: "FaultyMasker", inner: MaskerState):
+        self.masker = masker
+        self.inner = inner
+
+    # -- mask ----------------------------------------------------------------------------
+    def allowed_mask(self) -> np.ndarray:
+        mask = self.inner.allowed_mask().copy()
+        fault = self.masker.fault
+        if self.inner.is_finished:
+            return mask
+        if fault == "padding_allowed":
+            mask[-1] = True
+        elif fault == "eos_always":
+            for e in self.masker.eos_token_ids:
+                mask[e] = True
+        elif fault == "unsound_token" and self.inner.step == 0:
+            mask[self.masker.bad_token] = True
+        elif fault == "refuse_token" and self.inner.step > 0:
+            mask[self.masker.refused_token] = False
+        elif fault == "short_mask":
+            return mask[:-1]
+        return mask
+
+    def eos_allowed(self) -> bool:
+        if self.masker.fault == "eos_always" and not self.inner.is_finished:
+            return True
+        return self.inner.eos_allowed()
+
+    def advance(self, token_id: int) -> None:
+        fault = self.masker.fault
+        mask = self.allowed_mask() if fault != "short_mask" else self.inner.allowed_mask()
+        if fault == "no_raise" and not mask[token_id]:
+            return
+        if token_id >= len(mask) or not mask[token_id]:
+            if fault == "sticky_refusal":
+                self._extra_steps = getattr(self, "_extra_steps", 0) + 1
+            raise ForbiddenTokenError(token_id, self.masker.token_text(token_id), self.step,
+                                      self.describe())
+        if token_id in self.masker.eos_token_ids and not self.inner.eos_allowed():
+            self._fake_finished = True  # EOS the wrapped masker refuses (eos_always)
+            self._eos_token = token_id
+            return
+        if fault in ("unsound_token",) and not self.inner.allowed_mask()[token_id]:
+            self._wrong = True  # the wrapped masker cannot follow; we stop here
+            raise ForbiddenTokenError(token_id, self.masker.token_text(token_id), self.step,
+                                      "injected unsound token cannot be followed")
+        self.inner.advance(token_id)
+
+    def fork(self) -> MaskerState:
+        if self.masker.fault == "shared_fork":
+            return self
+        out = FaultyState(self.masker, self.inner.fork())
+        out.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("inner",)})
+        out.inner = self.inner.fork()
+        return out
+
+    def features(self) -> StateFeatures:
+        if self.masker.fault == "features_none":
+            return StateFeatures()
+        return self.inner.features()
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        ids = list(self.inner.token_ids)
+        if getattr(self, "_fake_finished", False):
+            ids.append(self._eos_token)
+        return ids
+
+    @property
+    def step(self) -> int:
+        return len(self.token_ids) + getattr(self, "_extra_steps", 0)
+
+    @property
+    def is_finished(self) -> bool:
+        return getattr(self, "_fake_finished", False) or self.inner.is_finished
+
+
+class FaultyMasker(Masker):
+    def __init__(self, inner: Masker, fault: str):
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+        self.inner = inner
+        self.fault = fault
+        for name in ("grammar", "tokenizer", "vocab_size", "eos_token_ids", "backend_version",
+                     "grammar_formats", "feature_status"):
+            setattr(self, name, getattr(inner, name))
+        self.backend_name = f"{inner.backend_name}+{fault}"
+        first = inner.new_state().allowed_mask()
+        n = len(inner.tokenizer)
+        specials = set(getattr(inner.tokenizer, "all_special_ids", []))
+        text_ids = [i for i in range(n) if i not in specials]
+        self.bad_token = next(i for i in reversed(text_ids) if not first[i])
+        self.refused_token = None
+        if fault == "refuse_token":
+            # The token valid strings of this grammar need most often (after the first one).
+            from collections import Counter
+
+            from .generate import valid_strings
+            from .vocab import Vocabulary
+
+            vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
+            counts: Counter = Counter()
+            for _, text in valid_strings(inner.grammar, 10, seed=0)[0]:
+                counts.update(vocab.canonical(text)[0][1:])
+            self.refused_token = counts.most_common(1)[0][0]
+        if fault == "features_none" and all(
+                str(getattr(v, "value", v)) == "missing" for v in inner.feature_status.values()):
+            raise ValueError("features_none needs a backend that declares some feature")
+
+    def new_state(self) -> MaskerState:
+        return FaultyState(self, self.inner.new_state())
+
+
+def faulty_backend(spec: BackendSpec, fault: str) -> BackendSpec:
+    """``spec`` with ``fault`` injected into every masker it compiles."""
+    def create(grammar, tokenizer, vocab_size=None, **options):
+        return FaultyMasker(spec.create_masker(grammar, tokenizer, vocab_size, **options), fault)
+
+    return replace(spec, name=f"{spec.name}+{fault}", create_masker=create,
+                   description=f"{spec.name} with an injected fault: {FAULTS[fault]}")
+
+
+__all__ = ["FAULTS", "FaultyMasker", "faulty_backend"]

@@ -1,0 +1,194 @@
+"""Prefix references: is a text the start of *some* string of the grammar?
+
+Soundness is a per-step property: a masker may only allow a token when the text so far plus
+that token can still be completed. :func:`reference_acceptor` decides whole strings only, so
+this module adds viable-prefix checkers that share no code with any backend under test:
+
+- Lark grammars: Lark's LALR tables driven by its *interactive* parser, fed by our own lexing
+  that tries every terminal at every length (a character-level reading of the grammar, as
+  XGrammar and llguidance read it), with the unfinished last lexeme checked by the ``regex``
+  package's partial matching.
+- Regexes: ``regex`` partial matching.
+- JSON schemas: JSON *syntax* (the built-in JSON grammar through the Lark checker); the schema
+  itself is only checked on finished strings, so this side is an over-approximation and never
+  raises a false alarm.
+
+A grammar whose LALR tables have conflicts gets no prefix checker (``None``); the report says
+so and the per-step checks fall back to finished strings.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from ..errors import UnsupportedGrammarError
+from ..grammar import Grammar, builtin_grammar
+
+
+class PrefixChecker(Protocol):
+    def viable(self, text: str) -> bool: ...
+
+
+class PrefixUndecided(Exception):
+    """The prefix search exceeded its budget (a highly ambiguous lexing)."""
+
+
+class RegexPrefixChecker:
+    def __init__(self, pattern: str):
+        import regex
+
+        self._rx = regex.compile(pattern)
+
+    def viable(self, text: str) -> bool:
+        return self._rx.fullmatch(text, partial=True) is not None
+
+
+class LarkPrefixChecker:
+    """Viable-prefix check for a Lark grammar by LALR tables + all-lengths lexing.
+
+    Parser configurations are LALR state stacks (tuples) driven directly by Lark's parse
+    table, so branching over lexings copies nothing but a tuple.
+    """
+
+    #: Most lexing configurations kept for one prefix before giving up.
+    MAX_CONFIGS = 4000
+
+    def __init__(self, lark_text: str, name: str = "<grammar>", cache_size: int = 512):
+        import lark
+        from lark.parsers.lalr_analysis import Shift
+
+        try:
+            self._lark = lark.Lark(lark_text, parser="lalr", lexer="contextual", start="start")
+        except lark.exceptions.GrammarError as exc:
+            raise UnsupportedGrammarError(f"no LALR prefix reference: {exc}",
+                                          grammar_name=name) from exc
+        import regex
+
+        self._shift = Shift
+        conf = self._lark.parse_interactive("").parser_state.parse_conf
+        self._states = conf.parse_table.states
+        self._root = (conf.start_state,)
+        self._rx = {t.name: regex.compile(t.pattern.to_regexp()) for t in self._lark.terminals}
+        self._ignore = tuple(self._lark.ignore_tokens)
+        self._accepts: dict[tuple, tuple[str, ...]] = {}
+        self._feeds: dict[tuple, tuple | None] = {}
+        self._cache: OrderedDict[str, list] = OrderedDict()
+        self._cache_size = cache_size
+        self._cache[""] = [(self._root, 0)]
+
+    def _feed(self, stack: tuple, terminal: str) -> tuple | None:
+        """The LALR stack after shifting ``terminal`` (with its reductions), or None."""
+        key = (stack, terminal)
+        if key in self._feeds:
+            return self._feeds[key]
+        states = self._states
+        work = list(stack)
+        result = None
+        while True:
+            entry = states[work[-1]].get(terminal)
+            if entry is None:
+                break
+            action, arg = entry
+            if action is self._shift:
+                work.append(arg)
+                result = tuple(work)
+                break
+            size = len(arg.expansion)
+            if size:
+                del work[-size:]
+            work.append(states[work[-1]][arg.origin.name][1])
+        if len(self._feeds) > 200_000:
+            self._feeds.clear()
+        self._feeds[key] = result
+        return result
+
+    def _acceptable(self, stack: tuple) -> tuple[str, ...]:
+        found = self._accepts.get(stack)
+        if found is None:
+            names = [t for t in self._states[stack[-1]] if t in self._rx and t != "$END"]
+            found = tuple(sorted(t for t in names if self._feed(stack, t) is not None))
+            found += self._ignore
+            self._accepts[stack] = found
+        return found
+
+    def _configs(self, text: str) -> list:
+        cache = self._cache
+        if text in cache:
+            cache.move_to_end(text)
+            return cache[text]
+        base = None
+        for cut in range(len(text) - 1, max(-1, len(text) - 65), -1):
+            if text[:cut] in cache:
+                base = text[:cut]
+                break
+        if base is None:
+            base = max((k for k in cache if text.startswith(k)), key=len)
+        configs = self._extend(cache[base], len(base), text)
+        cache[text] = configs
+        if len(cache) > self._cache_size:
+            cache.popitem(last=False)
+        if "" not in cache:
+            cache[""] = [(self._root, 0)]
+        return configs
+
+    def _extend(self, configs: list, old_len: int, text: str) -> list:
+        end_all = len(text)
+        seen: set = set()
+        kept: list = []
+        todo = list(configs)
+        while todo:
+            config = todo.pop()
+            if config in seen:
+                continue
+            seen.add(config)
+            if len(seen) > self.MAX_CONFIGS:
+                raise PrefixUndecided(f"more than {self.MAX_CONFIGS} lexings of {text[-40:]!r}")
+            stack, start = config
+            alive = start == end_all
+            for name in self._acceptable(stack):
+                rx = self._rx[name]
+                if start < end_all and not alive and rx.fullmatch(text, start, end_all,
+                                                                  partial=True):
+                    alive = True
+                for end in range(max(start, old_len) + 1, end_all + 1):
+                    if rx.fullmatch(text, start, end) is None:
+                        continue
+                    if name in self._ignore:
+                        todo.append((stack, end))
+                        continue
+                    nxt = self._feed(stack, name)
+                    if nxt is not None:
+                        todo.append((nxt, end))
+            if alive:
+                kept.append(config)
+        return kept
+
+    def viable(self, text: str) -> bool:
+        return bool(self._configs(text))
+
+    def terminal_spans(self, text: str) -> list[tuple[str, int, int]] | None:
+        """(terminal, start, end) of a complete string as Lark's contextual lexer splits it;
+        None when that lexer cannot split it (the grammar needs a character-level reading)."""
+        try:
+            ip = self._lark.parse_interactive(text)
+            return [(t.type, t.start_pos, t.end_pos) for t in ip.iter_parse()]
+        except Exception:  # noqa: BLE001 - lark raises several kinds
+            return None
+
+
+def prefix_checker(grammar: Grammar) -> PrefixChecker:
+    """The prefix reference for ``grammar``; raises UnsupportedGrammarError if there is none."""
+    if grammar.format == "regex":
+        return RegexPrefixChecker(grammar.text)
+    if grammar.format == "json_schema":
+        return LarkPrefixChecker(builtin_grammar("json").text, name=f"{grammar.name} (JSON syntax)")
+    if grammar.format == "lark":
+        return LarkPrefixChecker(grammar.text, name=grammar.name)
+    if grammar.format == "ebnf":
+        from ..grammar_convert import ebnf_to_lark
+
+        return LarkPrefixChecker(ebnf_to_lark(grammar.text, grammar_name=grammar.name),
+                                 name=grammar.name)
+    raise UnsupportedGrammarError(f"no prefix reference for format {grammar.format}",
+                                  grammar_name=grammar.name)

@@ -1,0 +1,269 @@
+"""Run conformance: one cell (``run_conformance``) or a matrix with differential comparison."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from ..backends import BackendSpec
+from ..errors import ShimError, UnsupportedGrammarError
+from ..grammar import Grammar, load_grammar
+from ..plugins import backends as installed_backends
+from ..plugins import get_backend
+from .checks import CellContext, run_cell_checks
+from .differential import differential
+from .gamma import gamma_check
+from .prefix import prefix_checker
+from .profiles import Profile, get_profile
+from .report import CellResult, CheckResult, Report
+from .vocab import Vocabulary
+
+#: Tokenizer names meaning "the shipped LM's tokenizer".
+SHIPPED_TOKENIZER_NAMES = ("default", "shipped")
+
+
+class ResolvedTokenizer:
+    """A tokenizer with its display name, logits width and (for the shipped one) its LM."""
+
+    def __init__(self, name: str, tokenizer, logits_width: int, lm=None):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.logits_width = logits_width
+        self.lm = lm
+
+
+def resolve_tokenizer(spec, logits_width: int | None = None) -> ResolvedTokenizer:
+    """``default``/``shipped`` (the shipped LM's), an offline name (``gpt2``, ``qwen2.5``, ...),
+    a local tokenizer directory, or a tokenizer object."""
+    from ..tokenizers_offline import OFFLINE_TOKENIZERS, load_offline_tokenizer, offline_logits_width
+
+    if spec is None or (isinstance(spec, str) and spec in SHIPPED_TOKENIZER_NAMES):
+        from ..lm import load_lm
+
+        lm = load_lm(None)
+        return ResolvedTokenizer("shipped", lm.tokenizer, logits_width or lm.vocab_size, lm)
+    if isinstance(spec, str) and spec in OFFLINE_TOKENIZERS:
+        return ResolvedTokenizer(spec, load_offline_tokenizer(spec),
+                                 logits_width or offline_logits_width(spec))
+    if isinstance(spec, (str, Path)):
+        path = Path(spec)
+        if not path.is_dir():
+            raise ShimError(f"tokenizer {spec!r} is neither {SHIPPED_TOKENIZER_NAMES}, an offline "
+                            f"name ({', '.join(OFFLINE_TOKENIZERS)}) nor a directory")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return ResolvedTokenizer(path.name, tok, logits_width or len(tok))
+    return ResolvedTokenizer(str(getattr(spec, "name_or_path", "") or type(spec).__name__), spec,
+                             logits_width or len(spec))
+
+
+def _resolve_grammar(spec) -> Grammar:
+    return spec if isinstance(spec, Grammar) else load_grammar(spec)
+
+
+def _resolve_backend(spec) -> BackendSpec:
+    return spec if isinstance(spec, BackendSpec) else get_backend(spec)
+
+
+def _meta(profile: Profile) -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for dist in ("shim-adapters", "syncode", "xgrammar", "outlines", "outlines_core",
+                 "llguidance", "transformers", "tokenizers", "lark"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version(), "profile": profile.name, "seed": profile.seed,
+            "versions": versions}
+
+
+def compile_cell(backend: BackendSpec, tok: ResolvedTokenizer, grammar: Grammar,
+                 profile: Profile) -> tuple[CellResult, CellContext | None]:
+    cell = CellResult(backend=backend.name, backend_version=backend.version, tokenizer=tok.name,
+                      grammar=grammar.name)
+    t0 = time.perf_counter()
+    try:
+        masker = backend.compile(grammar, tok.tokenizer, tok.logits_width)
+        masker.new_state().allowed_mask()  # first mask: part of the compile cost
+    except UnsupportedGrammarError as exc:
+        cell.error, cell.unsupported = str(exc), True
+        return cell, None
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported per cell
+        cell.error = f"{type(exc).__name__}: {exc}"
+        return cell, None
+    finally:
+        cell.compile_seconds = round(time.perf_counter() - t0, 2)
+    try:
+        prefix = prefix_checker(grammar)
+        note = None
+    except UnsupportedGrammarError as exc:
+        prefix, note = None, str(exc)
+    ctx = CellContext(masker=masker, grammar=grammar, vocab=Vocabulary(tok.tokenizer,
+                                                                       tok.logits_width),
+                      tokenizer_name=tok.name, profile=profile, prefix=prefix,
+                      rng=random.Random(profile.seed))
+    if note:
+        ctx.notes.append(note)
+    return cell, ctx
+
+
+def run_cell(cell: CellResult, ctx: CellContext, tok: ResolvedTokenizer, *, controller=None,
+             controller_dir=None, gamma: bool = True) -> CellResult:
+    t0 = time.perf_counter()
+    try:
+        cell.checks = run_cell_checks(ctx)
+    except Exception as exc:  # noqa: BLE001 - a crash inside the masker is a finding
+        cell.error = f"{type(exc).__name__} during checks: {exc}"
+        cell.seconds = round(time.perf_counter() - t0 + cell.compile_seconds, 2)
+        return cell
+    if gamma:
+        try:
+            cell.checks["gamma"] = gamma_check(ctx, controller=controller,
+                                               controller_dir=controller_dir, lm=tok.lm)
+        except Exception as exc:  # noqa: BLE001
+            res = CheckResult("gamma")
+            res.failed += 1
+            res.notes.append(f"{type(exc).__name__}: {exc}")
+            cell.checks["gamma"] = res
+    else:
+        cell.checks["gamma"] = CheckResult("gamma", not_run="disabled for this run")
+    for note in ctx.notes:
+        cell.checks["soundness"].notes.append(note)
+    cell.seconds = round(time.perf_counter() - t0 + cell.compile_seconds, 2)
+    return cell
+
+
+def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fast", *,
+                    logits_width: int | None = None, seed: int | None = None,
+                    controller_dir: str | Path | None = None, gamma: bool = True,
+                    **profile_overrides) -> Report:
+    """Conformance of one backend for one tokenizer and grammar.
+
+    ``backend``: a registered backend name (or BackendSpec). ``tokenizer``: ``default`` (the
+    shipped LM's), an offline name (``gpt2``, ``qwen2.5``, ``mistral-v1``, ``cl100k``,
+    ``o200k``, ``llama3``), a local tokenizer directory, or a tokenizer object. ``grammar``: a
+    built-in name, a grammar file (.lark, .ebnf/.gbnf, .json schema, .regex) or a Grammar.
+    ``profile``: ``fast`` or ``full`` (or a Profile); keyword overrides change its fields.
+    ``logits_width``: the model's logits width (default: the tokenizer's known LM width).
+    ``controller_dir``: a SHIM controller artefact for the γ check (``gamma=False`` skips
+    it; it is then reported as not run).
+    Returns a :class:`Report`; ``report.exit_code`` is 1 on any soundness failure.
+    """
+    if seed is not None:
+        profile_overrides["seed"] = seed
+    prof = get_profile(profile, **profile_overrides)
+    t0 = time.perf_counter()
+    report = Report(profile=prof.name, meta=_meta(prof))
+    tok = resolve_tokenizer(tokenizer, logits_width)
+    spec = _resolve_backend(backend)
+    gram = _resolve_grammar(grammar)
+    cell, ctx = compile_cell(spec, tok, gram, prof)
+    if ctx is not None:
+        run_cell(cell, ctx, tok, controller_dir=controller_dir, gamma=gamma)
+    report.cells.append(cell)
+    report.seconds = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("default",),
+               grammars: Iterable = ("bv4", "binary5", "json", "sql"),
+               profile: "str | Profile" = "fast", *, exclude: Sequence[dict] = (),
+               compare: bool = True, gamma: bool = True,
+               progress: Callable[[str], None] | None = print,
+               checkpoint: Callable[[Report], None] | None = None,
+               **profile_overrides) -> Report:
+    """Every backend x tokenizer x grammar, then the differential check per tokenizer x grammar.
+
+    ``checkpoint(report)`` is called after each tokenizer x grammar (e.g. to write a partial
+    report of a long run). ``exclude``: entries ``{"backend": B, "tokenizer": T, "grammar": G, "reason": R}`` (any
+    key may be omitted = all); excluded cells are listed in the report with the reason.
+    """
+    prof = get_profile(profile, **profile_overrides)
+    t0 = time.perf_counter()
+    report = Report(profile=prof.name, meta=_meta(prof))
+    names = list(backends) if backends else list(installed_backends())
+    report.meta["backends"] = names
+    say = progress or (lambda _msg: None)
+    skipped = []
+    for tok_spec in tokenizers:
+        if isinstance(tok_spec, dict):
+            tok = resolve_tokenizer(tok_spec["name"], tok_spec.get("logits_width"))
+        else:
+            tok = resolve_tokenizer(tok_spec)
+        for gram_spec in grammars:
+            gram = _resolve_grammar(gram_spec)
+            contexts = []
+            for name in names:
+                reason = _excluded(exclude, name, tok.name, gram.name)
+                if reason:
+                    skipped.append(f"{name} x {tok.name} x {gram.name}: {reason}")
+                    continue
+                spec = _resolve_backend(name)
+                cell, ctx = compile_cell(spec, tok, gram, prof)
+                if ctx is not None:
+                    run_cell(cell, ctx, tok, gamma=gamma)
+                    contexts.append(ctx)
+                report.cells.append(cell)
+                say(f"[conformance] {name} x {tok.name} x {gram.name}: "
+                    + (cell.error or " ".join(f"{k}={v.cell()}" for k, v in cell.checks.items()))
+                    + f" ({cell.seconds:.1f}s)")
+            if compare and len(contexts) > 1:
+                report.differential.append(differential(contexts))
+                d = report.differential[-1]
+                say(f"[conformance] differential {tok.name} x {gram.name}: {d.disagreements} "
+                    f"disagreements, verdicts {d.verdicts} ({d.seconds:.1f}s)")
+            if checkpoint is not None:
+                report.seconds = round(time.perf_counter() - t0, 2)
+                checkpoint(report)
+    if skipped:
+        report.meta["excluded_cells"] = skipped
+    report.seconds = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def _excluded(exclude: Sequence[dict], backend: str, tokenizer: str, grammar: str) -> str | None:
+    for rule in exclude:
+        if all(_hit(rule.get(k), v) for k, v in (("backend", backend), ("tokenizer", tokenizer),
+                                                 ("grammar", grammar))):
+            return rule.get("reason", "excluded by the profile")
+    return None
+
+
+def _hit(pattern, value: str) -> bool:
+    if pattern is None:
+        return True
+    if isinstance(pattern, (list, tuple)):
+        return value in pattern
+    return pattern == value
+
+
+def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = print,
+                     checkpoint: Callable[[Report], None] | None = None,
+                     **profile_overrides) -> Report:
+    """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
+    installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
+    names or paths relative to the file), ``exclude`` (cells with a reason))."""
+    import json
+
+    path = Path(path)
+    spec = json.loads(path.read_text())
+    grammars = []
+    for g in spec["grammars"]:
+        candidate = (path.parent / g).resolve()
+        grammars.append(str(candidate) if candidate.is_file() else g)
+    report = run_matrix(spec.get("backends"), spec["tokenizers"], grammars,
+                        spec.get("profile", "fast"), exclude=spec.get("exclude", ()),
+                        progress=progress, checkpoint=checkpoint,
+                        **{**spec.get("overrides", {}), **profile_overrides})
+    report.meta["profile_file"] = path.name
+    if spec.get("description"):
+        report.meta["description"] = spec["description"]
+    return report
