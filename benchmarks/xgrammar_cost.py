@@ -30,7 +30,8 @@ from shim_adapters.grammar import Grammar, load_grammar  # noqa: E402
 from shim_adapters.plugins import get_backend  # noqa: E402
 from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
 
-BV4 = Path("/work/shared/benchmarks/BV4/find_inv_eq_bvand_4bit.ebnf")
+BV4 = (Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "BV4"
+       / "find_inv_eq_bvand_4bit.ebnf")  # ../shared beside the checkout
 BV4_TEXT = ("(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) "
             "(bvand (bvor s #x7) (bvlshr (bvnot t) (bvadd s #x8))))")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},

@@ -12,7 +12,7 @@ from shim_adapters.errors import GrammarError, UnsupportedGrammarError
 from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 from shim_adapters.grammar_convert import convert, ebnf_to_lark, lark_to_ebnf
 
-BENCHMARKS = Path("/work/shared/benchmarks")
+BENCHMARKS = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"  # ../shared beside the checkout
 EBNF_FILES = [BENCHMARKS / "BV4" / "find_inv_eq_bvand_4bit.ebnf",
               BENCHMARKS / "example" / "binary_len_5_new.ebnf"]
 

@@ -30,6 +30,7 @@ which keeps fitting 1,000 completions within seconds.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -42,6 +43,8 @@ from sklearn.exceptions import ConvergenceWarning
 
 from .features import EncodedState, FeatureEncoder
 from .protocol import StateFeatures
+
+log = logging.getLogger(__name__)
 
 #: β values tried when fitting the damping exponent.
 DEFAULT_BETA_GRID = tuple(float(b) for b in np.round(np.arange(0.0, 3.0001, 0.05), 4))
@@ -83,19 +86,22 @@ class Controller:
 
     def __init__(self, reg_grid: Sequence[float] = (0.01, 0.1, 1.0, 10.0),
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
-                 parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0):
+                 parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
+                 min_gain_se: float = 1.0):
         self.reg_grid = tuple(reg_grid)
         self.beta_grid = tuple(beta_grid)
         self.n_splits = n_splits
         self.parser_top_k = parser_top_k
         self.min_cross_count = min_cross_count
         self.random_state = random_state
+        self.min_gain_se = min_gain_se
 
     # ---- hyper-parameters -----------------------------------------------------------------
     def get_params(self) -> dict[str, Any]:
         return dict(reg_grid=list(self.reg_grid), beta_grid=list(self.beta_grid),
                     n_splits=self.n_splits, parser_top_k=self.parser_top_k,
-                    min_cross_count=self.min_cross_count, random_state=self.random_state)
+                    min_cross_count=self.min_cross_count, random_state=self.random_state,
+                    min_gain_se=self.min_gain_se)
 
     def _new_encoder(self) -> FeatureEncoder:
         return FeatureEncoder(groups=self.feature_groups, parser_top_k=self.parser_top_k,
@@ -111,10 +117,15 @@ class Controller:
         raise NotImplementedError
 
     # ---- fitting --------------------------------------------------------------------------
-    def fit(self, data, y: np.ndarray | None = None) -> "Controller":
+    def fit(self, data, y: np.ndarray | None = None,
+            completion_weight: np.ndarray | None = None) -> "Controller":
         """Fit on a :class:`~shim_adapters.training_data.TrainingData` (soft ``y`` optional).
 
-        ``y`` overrides ``data.row_label`` (one value in [0, 1] per row). Runs on one core
+        ``y`` overrides ``data.row_label`` (one value in [0, 1] per row).
+        ``completion_weight`` (one value >= 0 per completion) is each completion's weight as a
+        sample of the target p(x | G) in the held-out criterion; the default, ``data.valid``, is
+        right for unconstrained samples. Masked samples need importance weights
+        (:func:`shim_adapters.targets.target_weights`). Runs on one core
         (BLAS and torch pinned to one thread: more threads only contend on a busy machine).
         """
         import torch
@@ -125,14 +136,15 @@ class Controller:
         try:
             with threadpool_limits(limits=1), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", ConvergenceWarning)
-                self._fit(data, y)
+                self._fit(data, y, completion_weight)
         finally:
             torch.set_num_threads(threads)
         self.n_convergence_warnings_ = sum(issubclass(w.category, ConvergenceWarning)
                                            for w in caught)
         return self
 
-    def _fit(self, data, y: np.ndarray | None) -> None:
+    def _fit(self, data, y: np.ndarray | None, completion_weight: np.ndarray | None = None
+             ) -> None:
         from sklearn.model_selection import GroupKFold
 
         t0 = time.perf_counter()
@@ -143,6 +155,11 @@ class Controller:
             raise ValueError("labels must lie in [0, 1]")
         if data.n_rows == 0:
             raise ValueError("no training rows: every completion was rejected at its first token")
+        cw = np.asarray(data.valid if completion_weight is None else completion_weight,
+                        dtype=np.float64)
+        if cw.shape != (data.n_completions,) or np.any(cw < 0) or not np.all(np.isfinite(cw)):
+            raise ValueError(f"completion_weight must hold one finite value >= 0 per completion "
+                             f"({data.n_completions}), got shape {cw.shape}")
         self.eos_token_ids_ = np.array(sorted(int(e) for e in data.manifest.get(
             "eos_token_ids", [])), dtype=np.int64)
         self.encoder_ = self._new_encoder().fit(data.states, data.row_state, data.row_token)
@@ -152,10 +169,13 @@ class Controller:
         groups = data.row_completion
         n_groups = len(np.unique(groups))
         n_splits = min(self.n_splits, n_groups)
-        contrast = _ContrastSet.from_data(data, self.encoder_, encoded, self._eos_set())
+        contrast = _ContrastSet.from_data(data, self.encoder_, encoded, self._eos_set(),
+                                          completion_weight=cw)
         betas = np.asarray(self.beta_grid, dtype=np.float64)
 
         scores = np.zeros((len(self.reg_grid), len(betas)))
+        # held-out log q_β(x) of each completion (each is held out exactly once)
+        per_completion = np.zeros((len(self.reg_grid), len(betas), data.n_completions))
         oof = np.zeros((len(self.reg_grid), data.n_rows))
         if n_splits < 2:
             raise ValueError(f"cross-validation needs >= 2 completions with rows, got {n_groups}")
@@ -166,12 +186,15 @@ class Controller:
             for r, reg in enumerate(self.reg_grid):
                 w = self._fit_model(rows, reg, X.shape[1])
                 oof[r, test] = self._logits(w, X[test])
-                scores[r] += contrast.loglik(lambda Xp: self._logits(w, Xp), betas,
-                                             completions=held_comp)
+                ll = contrast.loglik_per_completion(lambda Xp: self._logits(w, Xp), betas,
+                                                    completions=held_comp)
+                per_completion[r][:, held_comp] = ll
+                scores[r] += ll @ cw[held_comp]
         best_r, best_b = np.unravel_index(np.argmax(scores), scores.shape)
-        if betas[0] == 0 and scores[best_r, best_b] - scores[best_r, 0] <= 1e-9 * max(
-                1.0, abs(scores[best_r, 0])):
-            best_b = 0  # no held-out gain over masking: do not re-weight at all
+        self._record_heldout(per_completion, cw, betas, best_r, best_b)
+        if self.falls_back_to_masking_:
+            best_b = 0  # no (significant) held-out gain over masking: do not re-weight at all
+            log.warning("%s: %s", self.kind, self.decision_)
         self.reg_ = float(self.reg_grid[best_r])
         self.beta_ = float(betas[best_b])
         self.cv_scores_ = scores
@@ -194,6 +217,49 @@ class Controller:
 
     def _eos_set(self) -> np.ndarray:
         return self.eos_token_ids_
+
+    def _record_heldout(self, per_completion: np.ndarray, cw: np.ndarray, betas: np.ndarray,
+                        best_r: int, best_b: int) -> None:
+        """Held-out score of masking vs the best (reg, β), and the decision to fall back.
+
+        With target-weighted completions, E_target[log q_β(x) - log q_0(x)] is exactly
+        KL(target || masking) - KL(target || q_β): the gain is an estimate of how much KL the
+        correction removes. It must exceed ``min_gain_se`` standard errors (weighted, paired
+        per completion) or the controller falls back to β = 0, i.e. plain masking."""
+        total = float(cw.sum())
+        has_masking = bool(len(betas) and betas[0] == 0)
+        if total <= 0:
+            mask_score = best_score = gain = se = float("nan")
+        else:
+            p = cw / total
+            best_score = float(per_completion[best_r, best_b] @ p)
+            mask_score = float(per_completion[best_r, 0] @ p) if has_masking else float("nan")
+            d = per_completion[best_r, best_b] - per_completion[best_r, 0]
+            gain = float(d @ p) if has_masking else float("nan")
+            se = float(np.sqrt(np.sum(p ** 2 * (d - gain) ** 2))) if has_masking else float("nan")
+        self.heldout_score_masking_ = mask_score
+        self.heldout_score_best_ = best_score
+        self.heldout_kl_gain_ = gain
+        self.heldout_kl_gain_se_ = se
+        self.heldout_weight_ = total
+        if not has_masking:
+            self.falls_back_to_masking_ = False
+            self.decision_ = "β grid has no 0: masking was not a candidate"
+        elif not total > 0:
+            self.falls_back_to_masking_ = True
+            self.decision_ = ("correction does not help: no held-out completion is a sample of "
+                              "the target; falling back to β=0 (plain masking)")
+        elif best_b == 0 or not gain > self.min_gain_se * se:
+            self.falls_back_to_masking_ = True
+            self.decision_ = (f"correction does not help on held-out completions (best β "
+                              f"{betas[best_b]:g} gains {gain:.3g} ± {se:.3g} nats per target "
+                              f"sample, needs > {self.min_gain_se:g} SE); falling back to β=0 "
+                              f"(plain masking)")
+        else:
+            self.falls_back_to_masking_ = False
+            self.decision_ = (f"correction helps: β {betas[best_b]:g} gains {gain:.3g} ± "
+                              f"{se:.3g} nats per target sample over masking on held-out "
+                              f"completions")
 
     # ---- scoring --------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -310,7 +376,15 @@ class Controller:
                 "n_rows": self.n_rows_, "n_completions": self.n_completions_,
                 "valid_fraction": self.valid_fraction_, "fit_seconds": self.fit_seconds_,
                 "n_convergence_warnings": getattr(self, "n_convergence_warnings_", 0),
-                "n_features": int(self.n_features_in_)}
+                "n_features": int(self.n_features_in_),
+                "heldout_score_masking": getattr(self, "heldout_score_masking_", None),
+                "heldout_score_chosen": (getattr(self, "heldout_score_masking_", None)
+                                         if getattr(self, "falls_back_to_masking_", False)
+                                         else getattr(self, "heldout_score_best_", None)),
+                "heldout_kl_gain": getattr(self, "heldout_kl_gain_", None),
+                "heldout_kl_gain_se": getattr(self, "heldout_kl_gain_se_", None),
+                "falls_back_to_masking": getattr(self, "falls_back_to_masking_", None),
+                "decision": getattr(self, "decision_", None)}
 
 
 class _LogisticBase(Controller):
@@ -365,10 +439,11 @@ class MLP(Controller):
     def __init__(self, reg_grid: Sequence[float] = (1e-4, 1e-3), hidden: Sequence[int] = (64, 32),
                  epochs: int = 40, batch_size: int = 256, learning_rate: float = 3e-3,
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
-                 parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0):
+                 parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
+                 min_gain_se: float = 1.0):
         super().__init__(reg_grid=reg_grid, beta_grid=beta_grid, n_splits=n_splits,
                          parser_top_k=parser_top_k, min_cross_count=min_cross_count,
-                         random_state=random_state)
+                         random_state=random_state, min_gain_se=min_gain_se)
         self.hidden = tuple(hidden)
         self.epochs = epochs
         self.batch_size = batch_size
@@ -452,12 +527,14 @@ class _ContrastSet:
 
     @classmethod
     def from_data(cls, data, encoder: FeatureEncoder, encoded: Sequence[EncodedState],
-                  eos: np.ndarray, max_pairs_per_row: int = 256) -> "_ContrastSet":
+                  eos: np.ndarray, max_pairs_per_row: int = 256,
+                  completion_weight: np.ndarray | None = None) -> "_ContrastSet":
         """Pairs of the valid completions' rows. Large allowed sets keep their
         ``max_pairs_per_row`` most likely tokens (and the sampled one); the rest of the
         stored allowed mass becomes one pair scored like a token with no features of its own,
         which bounds memory for 50k-token vocabularies."""
-        rows = np.flatnonzero(data.valid[data.row_completion])
+        cw = data.valid if completion_weight is None else np.asarray(completion_weight) > 0
+        rows = np.flatnonzero(cw[data.row_completion])
         rows = rows[np.diff(data.allowed_offsets)[rows] > 1]  # forced steps: no contrast
         tail_token = int(data.allowed_token_ids.max(initial=0)) + 1  # never a real token
         tokens, lps, owner, is_chosen = [], [], [], []
@@ -496,9 +573,17 @@ class _ContrastSet:
 
     def loglik(self, logits_fn, betas: np.ndarray, completions: np.ndarray) -> np.ndarray:
         """Σ over held-out steps of log q_β(sampled token), for each β."""
+        return self.loglik_per_completion(logits_fn, betas, completions).sum(axis=1)
+
+    def loglik_per_completion(self, logits_fn, betas: np.ndarray, completions: np.ndarray
+                              ) -> np.ndarray:
+        """(β, completion): Σ over each held-out completion's steps of log q_β(sampled token)
+        (forced steps contribute 0); columns follow ``completions``."""
+        completions = np.asarray(completions)
+        out = np.zeros((len(betas), len(completions)))
         sel = np.flatnonzero(np.isin(self.row_completion, completions))
         if len(sel) == 0:
-            return np.zeros(len(betas))
+            return out
         lens = np.diff(np.append(self.starts, self.X.shape[0]))[sel]
         src = np.repeat(self.starts[sel], lens) + (np.arange(lens.sum()) -
                                                    np.repeat(np.cumsum(lens) - lens, lens))
@@ -507,10 +592,13 @@ class _ContrastSet:
         lp = self.lm_logprob[src]
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
         chosen = self.chosen[sel] - self.starts[sel] + starts
-        out = np.empty(len(betas))
+        col = np.searchsorted(completions, self.row_completion[sel]) if np.all(
+            np.diff(completions) > 0) else np.array([int(np.flatnonzero(completions == c)[0])
+                                                     for c in self.row_completion[sel]])
         for k, beta in enumerate(betas):
             v = lp + beta * lg
-            out[k] = float((v[chosen] - _segment_logsumexp(v, starts)).sum())
+            out[k] = np.bincount(col, weights=v[chosen] - _segment_logsumexp(v, starts),
+                                 minlength=len(completions))
         return out
 
 
@@ -535,15 +623,28 @@ def reliability_table(y: np.ndarray, p: np.ndarray, n_bins: int = 10) -> list[di
 def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                    n_samples: int = 1000, *, output_dir=None, data=None,
                    max_new_tokens: int = 128, seed: int = 0, progress: bool = True,
+                   target: str = "final", bootstrap_rounds: int = 1,
                    **controller_params) -> tuple[Controller, dict[str, Any]]:
     """Sample training data (unless ``data`` is given), fit a controller, build its manifest.
 
     ``lm`` is a :class:`shim_adapters.lm.LoadedLM`; ``prompt`` defaults to the grammar's
     built-in prompt. With ``output_dir`` the artefact is also written there (and the returned
     manifest is the one on disk, checksums included).
+
+    ``target`` picks the training labels (:mod:`shim_adapters.targets`): ``"final"`` (the
+    paper's 0/1 validity of unconstrained completions), ``"rollout"`` (masked completions, soft
+    labels ∏ Z of the later steps) or ``"bootstrap"`` (rollout, then ``bootstrap_rounds`` of
+    fitted value iteration). The last two sample masked completions. When the correction does not
+    beat masking on held-out completions the controller falls back to β = 0 and says so (a
+    warning on the ``shim_adapters.controller`` logger, ``controller.decision_`` and the
+    manifest's ``training.decision``).
     """
     from .artefact import build_manifest, save_controller
+    from .targets import TARGET_KINDS, make_targets
     from .training_data import sample_training_data
+
+    if target not in TARGET_KINDS:
+        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGET_KINDS)}")
 
     if prompt is None:
         prompt = masker.grammar.default_prompt
@@ -552,11 +653,20 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                              f"prompt=")
     if data is None:
         data = sample_training_data(lm, masker, prompt, n_samples, max_new_tokens=max_new_tokens,
-                                    seed=seed, progress=progress)
-    controller = make_controller(kind, **controller_params).fit(data)
+                                    seed=seed, progress=progress,
+                                    proposal="lm" if target == "final" else "masked")
+    targets = make_targets(target, data, lambda: make_controller(kind, **controller_params),
+                           rounds=bootstrap_rounds)
+    controller = make_controller(kind, **controller_params).fit(
+        targets.data, y=targets.y, completion_weight=targets.completion_weight)
+    controller.target_ = target
     keys = ("n_samples", "n_rows", "n_states", "valid_fraction", "truncated",
             "masker_rejected_valid", "masker_accepted_invalid", "sampling", "sample_seconds")
     training = {f"data_{k}": data.manifest[k] for k in keys if k in data.manifest}
+    training["target"] = target
+    training["target_effective_samples"] = targets.effective_target_samples
+    if target == "bootstrap":
+        training["bootstrap_rounds"] = bootstrap_rounds
     if output_dir is not None:
         manifest = save_controller(output_dir, controller, masker, lm, prompt=prompt,
                                    training=training)

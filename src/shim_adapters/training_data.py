@@ -34,7 +34,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import DynamicCache
 
-from .errors import ForbiddenTokenError, VocabMismatchError
+from .errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
 from .features import canonical_value, state_key
 from .protocol import FEATURE_NAMES, Masker, StateFeatures
 from .reference import reference_acceptor
@@ -211,8 +211,13 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
                          max_new_tokens: int = 128, batch_size: int = 250, seed: int = 0,
                          allowed_min_prob: float | None = 1e-8,
                          allowed_max_stored: int | None = 4096,
-                         progress: bool = True) -> TrainingData:
+                         progress: bool = True, proposal: str = "lm") -> TrainingData:
     """Sample ``n_samples`` unconstrained completions of ``prompt`` and replay them.
+
+    ``proposal="masked"`` samples masked completions instead (the LM renormalised over the
+    masker's allowed set at every step): every row is then a state masked decoding visits, and
+    ``row_log_z`` along a completion gives the masked-rollout soft targets of
+    :mod:`shim_adapters.targets` (DESIGN.md section 2). Labels stay 0/1 final validity.
 
     ``lm`` is a :class:`shim_adapters.lm.LoadedLM` (model, tokenizer, identifier, revision,
     vocab_size, eos_token_ids). ``allowed_min_prob``: allowed tokens whose LM probability
@@ -224,6 +229,9 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
 
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if proposal not in ("lm", "masked"):
+        raise ValueError(f"proposal must be 'lm' (unconstrained) or 'masked', not {proposal!r}")
+    masked = proposal == "masked"
     if masker.vocab_size != lm.vocab_size:
         raise VocabMismatchError(f"masker was compiled for logits of width {masker.vocab_size} "
                                  f"but the LM {lm.identifier} has {lm.vocab_size}")
@@ -264,7 +272,18 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
             past, logits = out.past_key_values, out.logits[:, -1, :]
             for step in range(max_new_tokens):
                 logp = torch.log_softmax(logits.float(), dim=-1)
-                nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+                masks = {}
+                if masked:
+                    live_mask = np.ones(logp.shape, dtype=bool)
+                    for i in np.flatnonzero(~finished):
+                        m = masks[i] = mstates[i].allowed_mask()
+                        if not m.any():
+                            raise DeadEndError(mstates[i].step, mstates[i].describe(), row=int(i))
+                        live_mask[i] = m
+                    probs = logp.masked_fill(~torch.from_numpy(live_mask), float("-inf")).exp()
+                else:
+                    probs = logp.exp()
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
                 logp_np, nxt_np = logp.numpy(), nxt.numpy()
                 for i in np.flatnonzero(~finished):
                     t = int(nxt_np[i])
@@ -272,7 +291,7 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
                     lps[i].append(float(logp_np[i, t]))
                     if in_grammar[i]:
                         st = mstates[i]
-                        mask = st.allowed_mask()
+                        mask = masks[i] if masked else st.allowed_mask()
                         if mask[t]:
                             feats = _normalised(st.features())
                             key = state_key(feats)
@@ -343,7 +362,8 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
         "truncated": int(truncated.sum()),
         "masker_rejected_valid": int((ref & ~truncated & ~masker_complete).sum()),
         "masker_accepted_invalid": int((masker_complete & ~ref).sum()),
-        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": seed,
+        "sampling": {"proposal": proposal, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                     "seed": seed,
                      "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                      "allowed_min_prob": allowed_min_prob,
                      "allowed_max_stored": allowed_max_stored},
