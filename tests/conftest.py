@@ -20,9 +20,12 @@ def shipped_lm():
     return load_lm(None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def example_plugin():
-    """docs/example_plugin.py, imported as a module and registered directly with pluggy."""
+    """docs/example_plugin.py, imported as a module and registered directly with pluggy.
+
+    Module-scoped: it is unregistered after the module, so suites that run over "every
+    installed backend" (contract, conformance) see only the installed plugins."""
     from shim_adapters.plugins import register_plugin, unregister_plugin
 
     spec = importlib.util.spec_from_file_location("shim_choices_example",

@@ -311,7 +311,7 @@ def test_fallback_features_are_derived_and_declared(tokenizer):
         masker._use_fallback_features("test")
     assert masker.feature_status == dict(FALLBACK_FEATURES)
     a, b = masker.new_state(), masker.new_state()
-    for token in tokenizer.encode("10", add_special_tokens=False):
+    for token in tokenizer.encode("0", add_special_tokens=False):
         a.advance(token)
     feats = a.features()
     assert feats.lexer_state is None and feats.partial_lexeme is None
