@@ -39,6 +39,10 @@ def backends_command(as_json: bool) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
     for line in [header, ["-" * w for w in widths], *table]:
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+    click.echo("")
+    for r in rows:  # per-format differences in feature status are spelled out here
+        if r["description"]:
+            click.echo(f"{r['backend']}: {r['description']}")
 
 
 def _compile(backend: str | None, grammar_spec: str, lm):
