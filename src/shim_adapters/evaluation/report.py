@@ -1,0 +1,329 @@
+"""Write an :class:`~.runner.EvalReport` as JSON, markdown and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHIM_METHODS = ("lr_nt", "lr_full", "mlp")
+
+
+def _fmt(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        if math.isinf(x):
+            return "∞"
+        if math.isnan(x):
+            return "nan"
+        if x != 0 and (abs(x) < 10 ** -digits or abs(x) >= 1e5):
+            return f"{x:.2e}"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return v if math.isfinite(v) else ("inf" if v > 0 else "-inf" if v < 0 else "nan")
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+def write_report(report, out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
+    """``report.json``, ``report.md`` and (with ``plots``) PNGs into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md"}
+    paths["json"].write_text(json.dumps(_jsonable(report.as_dict()), indent=1,
+                                        ensure_ascii=False))
+    figures = write_plots(report, out) if plots else {}
+    paths.update(figures)
+    paths["markdown"].write_text(markdown(report, figures))
+    return paths
+
+
+def _kl(case: dict, method: str) -> dict | None:
+    return case["methods"].get(method, {}).get("kl")
+
+
+def markdown(report, figures: dict[str, Path] | None = None) -> str:
+    r = report
+    o = r.options
+    methods = [m for m in r.methods]
+    kl_methods = [m for m in methods if m != "rejection"]
+    lines = [f"# SHIM evaluation: suite `{r.suite}`", ""]
+    lines += [f"- LM: `{r.lm['identifier']}` (revision `{r.lm['revision'][:12]}`, logits width "
+              f"{r.lm['vocab_size']})",
+              f"- backend: `{r.backend['name']}` {r.backend['version']}",
+              f"- N = {o['n_samples']} unconstrained draws per case for the support; SHIM "
+              f"trained on {o['n_train'] or o['n_samples']} separate draws; ASAp after "
+              f"{o['asap_samples']} samples (trie updated every {o['asap_batch_size']}); "
+              f"{o['timing_samples']} samples per method for timing; seed {o['seed']}; "
+              f"{o['n_bootstrap']} bootstrap resamples",
+              f"- command: `{r.command}`",
+              "- KL is in nats over the distinct valid draws S, both distributions renormalised "
+              "over S; the CI resamples S with replacement (|S| members, duplicates kept)",
+              f"- wall time {r.seconds / 60:.1f} min, peak RSS {r.peak_rss_mib:.0f} MiB", ""]
+    lines += ["## KL(p(·|G) ‖ q) over the sampled support S (nats, 95% bootstrap CI)", "",
+              "| case | \\|S\\| | " + " | ".join(kl_methods) + " |",
+              "|---|---:|" + "---:|" * len(kl_methods)]
+    for case in r.cases:
+        cells = []
+        for m in kl_methods:
+            k = _kl(case, m)
+            cells.append("—" if not k else f"{_fmt(k['kl'])} [{_fmt(k['ci_low'])}, "
+                                           f"{_fmt(k['ci_high'])}]")
+        lines.append(f"| {case['name']} | {case['support']['size']} | " + " | ".join(cells) + " |")
+    lines += ["", "### KL of masking divided by KL of each method (>1: the method is closer to "
+              "the target)", "",
+              "| case | " + " | ".join(m for m in kl_methods if m != "masking") + " |",
+              "|---|" + "---:|" * (len(kl_methods) - 1)]
+    for case in r.cases:
+        base = _kl(case, "masking")
+        cells = []
+        for m in kl_methods:
+            if m == "masking":
+                continue
+            k = _kl(case, m)
+            if not base or not k or not k["kl"]:
+                cells.append("—")
+            else:
+                cells.append(_fmt(base["kl"] / k["kl"], 2))
+        lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Mean seconds per sample (one sample at a time; rejection: per accepted "
+              "sample)", "",
+              "| case | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    for case in r.cases:
+        cells = [_fmt(case.get("timing", {}).get(m, {}).get("seconds_per_sample"), 4)
+                 for m in methods]
+        lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "Mean tokens per sample (EOS included):", "",
+              "| case | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    for case in r.cases:
+        cells = [_fmt(case.get("timing", {}).get(m, {}).get("tokens_per_sample"), 1)
+                 for m in methods]
+        lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "Relative to masking:", "", "| case | " + " | ".join(methods) + " |",
+              "|---|" + "---:|" * len(methods)]
+    for case in r.cases:
+        t = case.get("timing", {})
+        base = t.get("masking", {}).get("seconds_per_sample")
+        cells = [_fmt(t[m]["seconds_per_sample"] / base, 2) if base and m in t else "—"
+                 for m in methods]
+        lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+
+    exact_cases = [c for c in r.cases if c.get("exact") and "kl" in c["exact"]]
+    if exact_cases:
+        lines += ["", "## Exact KL over the whole (finite) language", ""]
+        for case in exact_cases:
+            ex = case["exact"]
+            lines += [f"### {case['name']} ({ex['n_sequences']} token sequences)", "",
+                      "| method | exact KL | mass on language |", "|---|---:|---:|"]
+            for m, v in ex["kl"].items():
+                lines.append(f"| {m} | {_fmt(v)} | {_fmt(ex['total_mass'][m])} |")
+            strings = sorted(ex["target_by_string"])
+            cols = list(ex["by_string"])
+            lines += ["", "| string | target | " + " | ".join(cols) + " |",
+                      "|---|---:|" + "---:|" * len(cols)]
+            for s in strings:
+                lines.append(f"| `{s}` | {_fmt(ex['target_by_string'][s], 3)} | " + " | ".join(
+                    _fmt(ex["by_string"][m].get(s, 0.0), 3) for m in cols) + " |")
+            lines.append("")
+
+    curves = [c for c in r.cases if c.get("asap_curve")]
+    if curves:
+        lines += ["", "## ASAp: KL against the number of ASAp samples", "",
+                  "| case | " + " | ".join(f"{p['samples']}" for p in curves[0]["asap_curve"])
+                  + " |", "|---|" + "---:|" * len(curves[0]["asap_curve"])]
+        for case in curves:
+            lines.append(f"| {case['name']} | " + " | ".join(
+                _fmt(p["kl"]) for p in case["asap_curve"]) + " |")
+        lines += ["", "ASAp memory (its trie after the ASAp samples; grows with every token "
+                  "sampled):", "", "| case | nodes | KiB | bytes/token | KiB/sample |",
+                  "|---|---:|---:|---:|---:|"]
+        for case in curves:
+            a = case["methods"]["asap"]
+            lines.append(f"| {case['name']} | {a['trie_nodes']} | {a['trie_bytes'] / 1024:.1f} |"
+                         f" {a['trie_bytes_per_token']:.0f} | "
+                         f"{a['trie_bytes_per_sample'] / 1024:.2f} |")
+
+    shim_cases = [c for c in r.cases if any(m in c["methods"] and "fit_seconds" in
+                                            c["methods"][m] for m in SHIM_METHODS)]
+    if shim_cases:
+        lines += ["", "## SHIM controllers", "", "| case | controller | β | fit s | "
+                  "training draws | sampling s | artefact KiB |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for case in shim_cases:
+            for m in SHIM_METHODS:
+                info = case["methods"].get(m)
+                if info and "fit_seconds" in info:
+                    lines.append(f"| {case['name']} | {m} | {_fmt(info['beta'], 2)} | "
+                                 f"{info['fit_seconds']:.1f} | {info['training_samples']} | "
+                                 f"{info['training_sample_seconds']:.1f} | "
+                                 f"{info['controller_bytes'] / 1024:.1f} |")
+
+    lines += ["", "## Per-phase timings (µs per call, one sample at a time)", ""]
+    for case in r.cases:
+        lines += [f"### {case['name']} (compile {case['compile_seconds']:.2f} s)", "",
+                  "| method | phase | calls | p50 | p95 | p99 |", "|---|---|---:|---:|---:|---:|"]
+        for m, t in case.get("timing", {}).items():
+            for phase, s in t["phases"].items():
+                if phase == "compile":
+                    continue
+                lines.append(f"| {m} | {phase} | {s['calls']} | {s['p50_us']:.1f} | "
+                             f"{s['p95_us']:.1f} | {s['p99_us']:.1f} |")
+        lines.append("")
+
+    lines += ["## Support and caveats", "", "| case | draws | valid | distinct valid | "
+              "truncated | valid but refused by the masker | prompt tokens | ends at newline |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for case in r.cases:
+        s = case["support"]
+        lines.append(f"| {case['name']} | {s['n_draws']} | {s['valid_draws']} | "
+                     f"{s['distinct_valid']} | {s['truncated_draws']} | "
+                     f"{s['masker_rejected_valid']} | {case['prompt_tokens']} | "
+                     f"{'yes' if case.get('stop_at_newline') else 'no'} |")
+    refused = [(c["name"], c["support"]["masker_rejected_examples"]) for c in r.cases
+               if c["support"]["masker_rejected_examples"]]
+    if refused:
+        lines += ["", "Valid strings the masker refuses are left out of S (every masked method "
+                  "gives them probability 0, so KL over them would be infinite):", ""]
+        for name, examples in refused:
+            lines.append(f"- {name}: " + "; ".join(f"`{e!r}`" for e in examples))
+    if figures:
+        lines += ["", "## Plots", ""]
+        for name, path in figures.items():
+            lines.append(f"![{name}]({Path(path).name})")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report, out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: dict[str, Path] = {}
+    methods = [m for m in report.methods if m != "rejection"]
+    cases = report.cases
+    if not cases:
+        return figures
+
+    # KL per case per method
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases) * len(methods) / 3), 4))
+    width = 0.8 / max(1, len(methods))
+    x = np.arange(len(cases))
+    for j, m in enumerate(methods):
+        vals, lo, hi = [], [], []
+        for c in cases:
+            k = _kl(c, m)
+            v = k["kl"] if k and math.isfinite(k["kl"]) else np.nan
+            vals.append(max(v, 1e-6) if not np.isnan(v) else np.nan)
+            lo.append(max(v - (k["ci_low"] if k else v), 0) if not np.isnan(v) else 0)
+            hi.append(max((k["ci_high"] if k and math.isfinite(k["ci_high"]) else v) - v, 0)
+                      if not np.isnan(v) else 0)
+        ax.bar(x + j * width, vals, width, yerr=[lo, hi], label=m, capsize=2)
+    ax.set_xticks(x + width * (len(methods) - 1) / 2)
+    ax.set_xticklabels([c["name"] for c in cases], rotation=30, ha="right", fontsize=8)
+    _log_scale_if_positive(ax, [p.get_height() for p in ax.patches])
+    ax.set_ylabel("KL(p(·|G) ‖ q) [nats]")
+    ax.set_title(f"KL per case ({report.lm['identifier']}, {report.backend['name']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    figures["kl_per_case"] = out / "kl_per_case.png"
+    fig.savefig(figures["kl_per_case"], dpi=110)
+    plt.close(fig)
+
+    # distortion figure for finite languages
+    for c in cases:
+        ex = c.get("exact")
+        if not ex or "kl" not in ex:
+            continue
+        strings = sorted(ex["target_by_string"], key=lambda s: -ex["target_by_string"][s])
+        cols = ["target"] + list(ex["by_string"])
+        fig, ax = plt.subplots(figsize=(max(7, 0.5 * len(strings)), 4))
+        w = 0.8 / len(cols)
+        xs = np.arange(len(strings))
+        for j, col in enumerate(cols):
+            src = ex["target_by_string"] if col == "target" else ex["by_string"][col]
+            label = col if col == "target" else f"{col} (KL {_fmt(ex['kl'][col], 3)})"
+            ax.bar(xs + j * w, [src.get(s, 0.0) for s in strings], w, label=label)
+        ax.set_xticks(xs + w * (len(cols) - 1) / 2)
+        ax.set_xticklabels(strings, rotation=60, fontsize=8, family="monospace")
+        ax.set_ylabel("probability")
+        ax.set_title(f"{c['name']}: distribution over the language (exact)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        key = f"distortion_{c['name']}"
+        figures[key] = out / f"{key}.png"
+        fig.savefig(figures[key], dpi=110)
+        plt.close(fig)
+
+    # KL against |S|
+    n = len(cases)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
+    for ax, c in zip(axes.flat, cases):
+        for m in methods:
+            curve = c["methods"].get(m, {}).get("stability")
+            if curve:
+                ax.plot([p["support_size"] for p in curve],
+                        [p["kl"] if math.isfinite(p["kl"]) else np.nan for p in curve],
+                        marker=".", label=m)
+        ax.set_title(c["name"], fontsize=8)
+        ax.set_xlabel("|S|", fontsize=7)
+        ax.set_ylabel("KL", fontsize=7)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.tight_layout()
+    figures["kl_vs_support"] = out / "kl_vs_support.png"
+    fig.savefig(figures["kl_vs_support"], dpi=110)
+    plt.close(fig)
+
+    # ASAp KL against samples
+    curves = [c for c in cases if c.get("asap_curve")]
+    if curves:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in curves:
+            pts = c["asap_curve"]
+            base = _kl(c, "masking")
+            line, = ax.plot([p["samples"] for p in pts],
+                            [max(p["kl"], 1e-6) if math.isfinite(p["kl"]) else np.nan
+                             for p in pts], marker="o", label=c["name"])
+            best_shim = [(_kl(c, m) or {}).get("kl") for m in SHIM_METHODS if _kl(c, m)]
+            if best_shim:
+                ax.axhline(max(min(best_shim), 1e-6), color=line.get_color(), ls=":", lw=0.8)
+            del base
+        ax.set_xscale("symlog", linthresh=10)
+        _log_scale_if_positive(ax, [y for ln in ax.get_lines() for y in ln.get_ydata()])
+        ax.set_xlabel("ASAp samples")
+        ax.set_ylabel("KL(p(·|G) ‖ q_ASAp)")
+        ax.set_title("ASAp convergence (dotted: best SHIM controller)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        figures["asap_kl_vs_samples"] = out / "asap_kl_vs_samples.png"
+        fig.savefig(figures["asap_kl_vs_samples"], dpi=110)
+        plt.close(fig)
+    return figures
+
+
+def _log_scale_if_positive(ax, values) -> None:
+    """Log y-axis only when there is something positive to show (else matplotlib raises)."""
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if np.any(np.isfinite(arr) & (arr > 0)):
+        ax.set_yscale("log")

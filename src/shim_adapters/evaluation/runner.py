@@ -1,0 +1,408 @@
+"""``run_eval``: every method on every case of a suite, scored by the paper's protocol.
+
+Per case: compile the grammar; draw N unconstrained LM samples (the valid ones are the support
+S and, kept, rejection sampling's output); fit the SHIM controllers on a *separate* draw
+(another seed); run ASAp for ``asap_samples`` samples, keeping snapshots of its trie; score
+every distinct sequence of S exactly under the LM and each method in one teacher-forced pass;
+KL with a bootstrap CI and its curve as |S| grows; the exact KL over the whole language for
+small finite languages; then time every method by drawing a few samples one at a time
+through one instrumented loop (so per-phase costs compare like with like).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..protocol import Masker
+from .asap import run_asap
+from .decoding import decode, prefill
+from .exact_language import LanguageTooLargeError, enumerate_language
+from .lm_views import gqa_without_copies, prompt_cached, stop_folded
+from .metrics import bootstrap_kl, exact_kl, grouped_probabilities, stability_curve, support_of
+from .rejection import draw_lm_samples
+from .scoring import MASKING, score_sequences
+from .suites import EvalCase, Suite, load_suite
+from .timing import PhaseTimer, peak_rss_mib
+
+#: Method names, in report order. ``rejection`` is the exact target (KL 0 by construction).
+METHODS = ("masking", "lr_nt", "lr_full", "mlp", "asap", "rejection")
+SHIM_KINDS = {"lr_nt": "LR_NT", "lr_full": "LR_FULL", "mlp": "MLP"}
+
+
+@dataclass
+class EvalOptions:
+    """Sizes and knobs of one evaluation run (everything but suite/LM/backend/methods)."""
+
+    n_samples: int = 1000
+    seed: int = 0
+    #: Unconstrained completions the SHIM controllers are fitted on (None: n_samples).
+    n_train: int | None = None
+    asap_samples: int = 100
+    #: ASAp samples drawn between trie updates (1 = the sequential algorithm).
+    asap_batch_size: int = 1
+    asap_checkpoints: tuple[int, ...] = (0, 10, 30, 100)
+    #: Samples drawn one at a time per method to time it.
+    timing_samples: int = 20
+    n_bootstrap: int = 200
+    #: Overrides each case's max_new_tokens when set.
+    max_new_tokens: int | None = None
+    batch_size: int = 64
+    #: Stop an unconstrained draw at the first token the masker refuses (saves the steps of
+    #: hopeless draws; S is unchanged when the masker is sound, but valid strings the masker
+    #: wrongly refuses can then no longer be counted).
+    cut_draws: bool = False
+    data_dir: str | None = None
+    cases: tuple[str, ...] | None = None
+    limit: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class EvalReport:
+    """The results of :func:`run_eval` (write with :func:`~.report.write_report`)."""
+
+    suite: str
+    lm: dict[str, str]
+    backend: dict[str, str]
+    methods: list[str]
+    options: dict[str, Any]
+    cases: list[dict[str, Any]] = field(default_factory=list)
+    command: str = ""
+    seconds: float = 0.0
+    peak_rss_mib: float = 0.0
+    out_dir: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "EvalReport":
+        """Read a ``report.json`` back (non-finite floats are stored as strings there)."""
+        import json
+
+        def restore(obj):
+            if isinstance(obj, dict):
+                return {k: restore(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [restore(v) for v in obj]
+            if obj in ("inf", "-inf", "nan"):
+                return float(obj)
+            return obj
+
+        return cls(**restore(json.loads(Path(path).read_text())))
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One row per case: KL and seconds per sample for each method."""
+        rows = []
+        for case in self.cases:
+            row = {"case": case["name"], "support": case["support"]["size"]}
+            for m in self.methods:
+                res = case["methods"].get(m, {})
+                row[f"{m}_kl"] = res.get("kl", {}).get("kl") if res.get("kl") else None
+                row[f"{m}_s_per_sample"] = res.get("seconds_per_sample")
+            rows.append(row)
+        return rows
+
+
+def _log(progress: bool, message: str) -> None:
+    if progress:
+        print(f"[eval {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str = "xgrammar",
+             methods: Sequence[str] = METHODS, n_samples: int = 1000, seed: int = 0,
+             out_dir: str | Path | None = None, progress: bool = True, **options: Any
+             ) -> EvalReport:
+    """Evaluate ``methods`` on every case of ``suite`` with the LM ``lm_spec`` (None: shipped
+    tiny LM; ``"smollm2"``; a model directory or .gguf) and masker ``backend``.
+
+    ``options`` are :class:`EvalOptions` fields (``n_train``, ``asap_samples``,
+    ``asap_batch_size``, ``asap_checkpoints``, ``timing_samples``, ``n_bootstrap``,
+    ``max_new_tokens``, ``batch_size``, ``data_dir``, ``cases``, ``limit``). With ``out_dir``
+    the report (JSON, markdown, PNG plots) and the fitted controllers are written there.
+    """
+    from ..lm import load_lm
+    from ..plugins import get_backend
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    opts = EvalOptions(n_samples=n_samples, seed=seed, **options)
+    suite_obj = load_suite(suite, opts.data_dir).select(
+        list(opts.cases) if opts.cases else None, opts.limit)
+    start = time.perf_counter()
+    lm = load_lm(lm_spec)
+    gqa_without_copies(lm)  # same arithmetic; the KV cache is no longer copied per head
+    spec = get_backend(backend)
+    report = EvalReport(
+        suite=suite_obj.name,
+        lm={"spec": str(lm_spec), "identifier": lm.identifier, "revision": lm.revision,
+            "vocab_size": str(lm.vocab_size)},
+        backend={"name": spec.name, "version": spec.version},
+        methods=list(methods), options=opts.as_dict(),
+        command=" ".join(sys.argv), out_dir=str(out_dir) if out_dir else None)
+    for i, case in enumerate(suite_obj.cases):
+        _log(progress, f"case {i + 1}/{len(suite_obj.cases)}: {case.name}")
+        report.cases.append(evaluate_case(case, lm, spec, list(methods), opts, progress,
+                                          out_dir=Path(out_dir) if out_dir else None))
+        report.seconds = time.perf_counter() - start
+        report.peak_rss_mib = peak_rss_mib()
+        if out_dir is not None:  # keep a usable report even if a later case fails
+            from .report import write_report
+
+            write_report(report, out_dir, plots=False)
+    if out_dir is not None:
+        from .report import write_report
+
+        write_report(report, out_dir)
+    return report
+
+
+def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOptions,
+                  progress: bool = False, out_dir: Path | None = None) -> dict[str, Any]:
+    """All methods on one case; returns the JSON-ready result."""
+    max_new = opts.max_new_tokens or case.max_new_tokens
+    t_case = time.perf_counter()
+    compile_timer = PhaseTimer()
+    with compile_timer.phase("compile"):
+        masker = spec.compile(case.grammar, lm.tokenizer, lm.vocab_size)
+    if case.stop_at_newline:
+        lm = stop_folded(lm, masker.eos_token_ids)
+    pre = prefill(lm, case.prompt)
+    result: dict[str, Any] = {
+        "name": case.name, "grammar": case.grammar.name, "grammar_sha256": case.grammar.sha256,
+        "prompt_tokens": pre.length, "max_new_tokens": max_new,
+        "stop_at_newline": case.stop_at_newline,
+        "compile_seconds": compile_timer.durations["compile"][0], "methods": {},
+    }
+
+    # 1. unconstrained draws: the support S (and rejection sampling's exact samples)
+    gen = torch.Generator().manual_seed(opts.seed)
+    draws = draw_lm_samples(pre, case.grammar, opts.n_samples, max_new_tokens=max_new,
+                            batch_size=opts.batch_size, generator=gen, progress=progress,
+                            cut_by=masker if opts.cut_draws else None)
+    _log(progress, f"  {draws.n} LM samples in {draws.seconds:.1f}s, "
+                   f"{int(draws.valid.sum())} valid, {int(draws.cut.sum())} cut by the masker")
+
+    # 2. SHIM controllers, fitted on a separate draw
+    adjusters: dict[str, Any] = {MASKING: None}  # always scored: ASAp@0 must equal it
+    shim_info: dict[str, dict] = {}
+    wanted_shim = [m for m in methods if m in SHIM_KINDS]
+    if wanted_shim:
+        cached_lm = prompt_cached(lm, pre)
+        adjusters.update(_fit_shim(case, cached_lm, masker, wanted_shim, opts, max_new,
+                                   progress, shim_info, out_dir))
+        if cached_lm.model.hits == 0:
+            _log(progress, "  warning: training-data sampling never reused the prompt cache")
+
+    # 3. ASAp with snapshots of its trie
+    asap_run = None
+    if "asap" in methods:
+        checkpoints = sorted(set(c for c in opts.asap_checkpoints if c <= opts.asap_samples)
+                             | {opts.asap_samples})
+        asap_timer = PhaseTimer()
+        asap_run = run_asap(pre, masker, opts.asap_samples, checkpoints=checkpoints,
+                            batch_size=opts.asap_batch_size, max_new_tokens=max_new,
+                            generator=torch.Generator().manual_seed(opts.seed + 2),
+                            timer=asap_timer)
+        for k, snap in asap_run.snapshots.items():
+            adjusters[f"asap@{k}"] = snap
+        _log(progress, f"  ASAp: {opts.asap_samples} samples in {asap_run.seconds:.1f}s, "
+                       f"{asap_run.trie.n_nodes} trie nodes")
+
+    # 4. exact scoring of every distinct valid draw
+    valid_seqs: dict[tuple[int, ...], int] = {}
+    draw_ids = np.full(draws.n, -1, dtype=np.int64)
+    for j, (ok, toks) in enumerate(zip(draws.valid, draws.token_ids)):
+        if ok:
+            draw_ids[j] = valid_seqs.setdefault(tuple(toks), len(valid_seqs))
+    sequences = [list(k) for k in valid_seqs]
+    t0 = time.perf_counter()
+    scores = score_sequences(pre, sequences, masker, adjusters)
+    score_seconds = time.perf_counter() - t0
+    # valid strings the masker cannot produce (a backend bug or a tokenisation it refuses)
+    unreachable = np.flatnonzero(~scores.masker_accepts)
+    reachable_ids = draw_ids.copy()
+    if unreachable.size:
+        reachable_ids[np.isin(draw_ids, unreachable)] = -1
+    result["support"] = {
+        "n_draws": draws.n, "valid_draws": int(draws.valid.sum()),
+        "size": int(support_of(reachable_ids).size),
+        "distinct_valid": len(sequences),
+        "truncated_draws": int((~draws.complete & ~draws.cut).sum()),
+        "cut_draws": int(draws.cut.sum()),
+        "masker_rejected_valid": int(unreachable.size),
+        "masker_rejected_examples": [draws.texts[int(np.flatnonzero(draw_ids == u)[0])]
+                                     for u in unreachable[:3]],
+        "scoring_seconds": score_seconds,
+    }
+    target = scores.lm
+    if out_dir is not None:  # the raw scores, so metrics can be recomputed without sampling
+        from safetensors.numpy import save_file
+
+        (out_dir / "scores").mkdir(parents=True, exist_ok=True)
+        tensors = {"draw_ids": reachable_ids, "lm": target.astype(np.float64)}
+        tensors.update({f"method.{k.replace('@', '_at_')}": v.astype(np.float64)
+                        for k, v in scores.methods.items()})
+        save_file(tensors, str(out_dir / "scores" / f"{case.name}.safetensors"))
+    for name, lp in scores.methods.items():
+        est = bootstrap_kl(reachable_ids, target, lp, n_bootstrap=opts.n_bootstrap,
+                           seed=opts.seed)
+        entry = {"kl": est.as_dict(),
+                 "stability": stability_curve(reachable_ids, target, lp)}
+        if name.startswith("asap@"):
+            result.setdefault("asap_curve", []).append(
+                {"samples": int(name.split("@")[1]), **est.as_dict()})
+            continue
+        result["methods"][name] = entry
+    if "asap" in methods:
+        final = result["asap_curve"][-1]
+        result["methods"]["asap"] = {
+            "kl": {k: v for k, v in final.items() if k != "samples"},
+            "stability": stability_curve(reachable_ids, target,
+                                         scores.methods[f"asap@{opts.asap_samples}"]),
+            "after_samples": opts.asap_samples, "batch_size": opts.asap_batch_size,
+            "trie_growth": asap_run.growth,
+            "trie_nodes": asap_run.trie.n_nodes, "trie_bytes": asap_run.trie.nbytes(),
+            "trie_bytes_per_token": asap_run.trie.nbytes() / max(1, asap_run.trie.n_tokens),
+            "trie_bytes_per_sample": asap_run.trie.nbytes() / max(1, asap_run.trie.n_samples),
+            "training_seconds": asap_run.seconds,
+            "training_seconds_per_sample": asap_run.seconds_per_sample,
+        }
+    if MASKING not in methods:
+        result["methods"].pop(MASKING, None)
+    if "rejection" in methods:
+        result["methods"]["rejection"] = {
+            "kl": {"kl": 0.0, "ci_low": 0.0, "ci_high": 0.0,
+                   "support_size": result["support"]["size"], "n_draws": draws.n,
+                   "n_bootstrap": 0},
+            "note": "samples the target exactly (KL 0 by construction)",
+            "batched_seconds_per_accepted": draws.seconds_per_accepted,
+            "acceptance_rate": float(draws.valid.mean()),
+        }
+    for name, info in shim_info.items():
+        result["methods"].setdefault(name, {}).update(info)
+
+    # 5. exact KL over a small finite language
+    if case.exact:
+        result["exact"] = _exact(pre, masker, adjusters, methods, opts)
+
+    # 6. timing: a few samples one at a time per method, through one instrumented loop
+    result["timing"] = _time_methods(pre, masker, adjusters, methods, opts, max_new, asap_run,
+                                     compile_timer)
+    for name, t in result["timing"].items():
+        if name in result["methods"]:
+            result["methods"][name]["seconds_per_sample"] = t["seconds_per_sample"]
+    result["seconds"] = time.perf_counter() - t_case
+    result["peak_rss_mib"] = peak_rss_mib()
+    _log(progress, "  " + ", ".join(
+        f"{m}: KL {result['methods'][m]['kl']['kl']:.4f}" for m in result["methods"]
+        if result["methods"][m].get("kl")))
+    return result
+
+
+def _fit_shim(case, lm, masker: Masker, kinds: list[str], opts: EvalOptions, max_new: int,
+              progress: bool, info: dict, out_dir: Path | None) -> dict[str, Any]:
+    from ..artefact import save_controller
+    from ..controller import make_controller
+    from ..correction import ShimAdjuster
+    from ..training_data import sample_training_data
+
+    n_train = opts.n_train or opts.n_samples
+    t0 = time.perf_counter()
+    data = sample_training_data(lm, masker, case.prompt, n_train, max_new_tokens=max_new,
+                                seed=opts.seed + 1, progress=False,
+                                batch_size=opts.batch_size)
+    sample_seconds = time.perf_counter() - t0
+    _log(progress, f"  training data: {n_train} completions in {sample_seconds:.1f}s, "
+                   f"valid fraction {float(np.mean(data.valid)):.3f}")
+    out = {}
+    for name in kinds:
+        t0 = time.perf_counter()
+        controller = make_controller(SHIM_KINDS[name]).fit(data)
+        fit_seconds = time.perf_counter() - t0
+        directory = (out_dir / "controllers" / case.name / name) if out_dir else \
+            Path(tempfile.mkdtemp(prefix="shim-eval-"))
+        manifest = save_controller(directory, controller, masker, lm, prompt=case.prompt)
+        info[name] = {"fit_seconds": fit_seconds, "training_samples": n_train,
+                      "training_sample_seconds": sample_seconds,
+                      "controller_bytes": int(manifest.get("weights_bytes", 0)),
+                      "beta": float(getattr(controller, "beta_", float("nan"))),
+                      "reg": float(getattr(controller, "reg_", float("nan")))}
+        out[name] = ShimAdjuster(controller)
+        _log(progress, f"  {name}: fitted in {fit_seconds:.1f}s (beta={info[name]['beta']})")
+    return out
+
+
+def _exact(pre, masker, adjusters, methods, opts) -> dict[str, Any]:
+    chosen = {k: v for k, v in adjusters.items()
+              if not k.startswith("asap@") or k == f"asap@{opts.asap_samples}"}
+    try:
+        lang = enumerate_language(pre, masker, chosen)
+    except LanguageTooLargeError as exc:
+        return {"error": str(exc)}
+    target = lang.target()
+    out: dict[str, Any] = {"n_sequences": len(lang.sequences),
+                           "target_by_string": grouped_probabilities(lang.texts, target),
+                           "kl": {}, "by_string": {}, "total_mass": {}}
+    for name, lp in lang.methods.items():
+        label = "asap" if name.startswith("asap@") else name
+        if label not in methods:
+            continue
+        out["kl"][label] = exact_kl(target, lp)
+        out["by_string"][label] = grouped_probabilities(lang.texts, lp)
+        out["total_mass"][label] = float(np.exp(np.logaddexp.reduce(lp)))
+    return out
+
+
+def _time_methods(pre, masker, adjusters, methods, opts, max_new, asap_run,
+                  compile_timer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    k = opts.timing_samples
+    if k <= 0:
+        return out
+    gen = torch.Generator().manual_seed(opts.seed + 3)
+    for name in methods:
+        timer = PhaseTimer()
+        timer.merge(compile_timer)
+        t0 = time.perf_counter()
+        accepted = k
+        tokens = 0
+        if name == "rejection":
+            draws = [decode(pre, 1, max_new_tokens=max_new, generator=gen, timer=timer)
+                     for _ in range(k)]
+            from ..reference import reference_acceptor
+
+            acceptor = reference_acceptor(masker.grammar)
+            accepted = sum(1 for d in draws if d.finished[0] and acceptor.accepts(
+                masker.decode([t for t in d.token_ids[0] if t not in masker.eos_token_ids
+                               and t not in pre.lm.eos_token_ids])))
+            tokens = sum(len(d.token_ids[0]) for d in draws)
+        elif name == "asap":
+            # ASAp keeps learning while it samples: its per-sample cost includes the update
+            trie = asap_run.trie.snapshot()
+            run = run_asap(pre, masker, k, batch_size=1, max_new_tokens=max_new, generator=gen,
+                           timer=timer, trie=trie)
+            tokens = sum(len(s) for s in run.samples)
+        else:
+            adjuster = adjusters.get(name)
+            for _ in range(k):
+                d = decode(pre, 1, masker=masker, adjuster=adjuster, max_new_tokens=max_new,
+                           generator=gen, timer=timer)
+                tokens += len(d.token_ids[0])
+        seconds = time.perf_counter() - t0
+        out[name] = {"samples": k, "accepted": accepted, "seconds": seconds,
+                     "tokens_per_sample": tokens / k,
+                     "seconds_per_sample": seconds / accepted if accepted else float("inf"),
+                     "phases": timer.summary()}
+    return out
