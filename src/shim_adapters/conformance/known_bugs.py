@@ -29,9 +29,57 @@ class KnownBug:
     matches: Callable[[Repro], bool] | None = None
 
 
-#: No backend failed a soundness or canonical completeness check in the full run (see
-#: conformance/reports/); add an entry here when one does, with the upstream version.
-KNOWN_BUGS: tuple[KnownBug, ...] = ()
+def _schema(r: Repro) -> bool:
+    return r.grammar.endswith(".json")
+
+
+#: Found by the full profile (conformance/reports/conformance-full.md), all on JSON schemas.
+KNOWN_BUGS: tuple[KnownBug, ...] = (
+    KnownBug(
+        id="xgrammar-schema-raw-control-chars", backend="xgrammar", versions=("0.2.9",),
+        check="soundness", kinds=("unsound_token",),
+        summary="XGrammar's JSON-schema strings admit raw control characters (U+0000-U+001F), "
+                "which RFC 8259 forbids unescaped",
+        repro="schema conformance/grammars/person.json, GPT-2: after '{\"name\":\"/' the "
+              "tokens '\\x1f' (219) and '\\t' (197) are allowed",
+        matches=lambda r: _schema(r) and any(ord(c) < 0x20 for c in (r.token_text or ""))),
+    KnownBug(
+        id="xgrammar-schema-escapes-refused", backend="xgrammar", versions=("0.2.9",),
+        check="completeness", kinds=("valid_token_refused",),
+        summary="XGrammar refuses escape sequences in JSON-schema strings with maxLength",
+        repro="person.json, GPT-2: after '{\"name\":\"' the token '\\' (59) is refused "
+              "though '{\"name\":\"\\n\",\"age\":7,\"role\":\"user\"}' is valid",
+        matches=lambda r: _schema(r) and "\\" in (r.token_text or "")),
+    KnownBug(
+        id="xgrammar-schema-escapes-refused-edge", backend="xgrammar", versions=("0.2.9",),
+        check="tokenizer_edges", kinds=("refused_leading_space", "refused_multi_terminal"),
+        summary="the same escape refusal, seen on leading-space / multi-terminal tokens",
+        repro="person.json, Qwen2.5: token ' \"\\\"' (15898) refused after '{\"name\":'",
+        matches=lambda r: _schema(r) and "\\" in (r.token_text or "")),
+    KnownBug(
+        id="outlines-core-schema-integer-bounds", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="soundness", kinds=("eos_not_accepting",),
+        summary="outlines_core's schema-to-regex ignores integer minimum/maximum",
+        repro="person.json (age: minimum 0, maximum 120), GPT-2: EOS allowed after "
+              "'{\"name\":\"/\",\"age\":-787,\"role\":\"guest\"}'",
+        matches=_schema),
+    KnownBug(
+        id="outlines-core-schema-whitespace", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="completeness", kinds=("valid_token_refused",),
+        summary="outlines_core's default whitespace pattern admits no newline between JSON "
+                "tokens (valid pretty-printed JSON is refused)",
+        repro="person.json, GPT-2: after '{' the token '\\n' (198) is refused",
+        matches=lambda r: _schema(r) and "\n" in (r.token_text or "")),
+    KnownBug(
+        id="outlines-core-schema-whitespace-edge", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="tokenizer_edges", kinds=("refused_multi_terminal", "refused_leading_space"),
+        summary="the same whitespace restriction, seen on multi-terminal tokens such as '{\\n'",
+        repro="person.json, Qwen2.5: token '{\\n' (515) refused at the start",
+        matches=lambda r: _schema(r) and "\n" in (r.token_text or "")),
+)
 
 
 def match_known_bug(repro: Repro, backend_version: str) -> str | None:

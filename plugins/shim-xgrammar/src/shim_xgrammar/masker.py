@@ -131,6 +131,13 @@ class XGrammarMasker(Masker):
             stop_token_ids = [tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(int(t) for t in stop_token_ids)
         self._eos_array = np.array(sorted(self.eos_token_ids), dtype=np.int64)
+        # XGrammar lets control tokens (<unk>, <|im_start|>, ...) through wherever their literal
+        # text would fit (found by the conformance suite): only EOS may ever be allowed.
+        specials = set(getattr(tokenizer, "all_special_ids", ())) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        self._special_array = np.array(sorted(i for i in specials - set(self.eos_token_ids)
+                                              if i < self.tokenizer_size), dtype=np.int64)
+        self._special_ids = frozenset(self._special_array.tolist())
         self.start_positions = start_positions
 
         #: Capability report: ("exact",) or what the Lark -> EBNF conversion lowered.
@@ -197,6 +204,7 @@ class XGrammarState(MaskerState):
         mask = np.unpackbits(self._fill().view(np.uint8), count=masker.vocab_size,
                              bitorder="little").view(bool)
         mask[masker.tokenizer_size:] = False
+        mask[masker._special_array] = False
         mask[masker._eos_array] = self._matcher.is_completed()
         return mask
 
@@ -207,6 +215,7 @@ class XGrammarState(MaskerState):
     def advance(self, token_id: int) -> None:
         token_id = int(token_id)
         if (self._finished or not 0 <= token_id < self.masker.tokenizer_size
+                or token_id in self.masker._special_ids
                 or not self._matcher.accept_token(token_id)):
             raise self._forbidden(token_id)
         self._token_ids.append(token_id)
