@@ -323,3 +323,18 @@ def test_decoded_vocab_is_cached(compile_grammar):
     masker = compile_grammar(builtin_grammar("binary5"))
     assert masker.decoded_vocab is masker.decoded_vocab
     assert len(masker.decoded_vocab) == masker.vocab_size
+
+
+def test_control_tokens_are_never_allowed_inside_a_json_string():
+    """XGrammar admits <unk>/<s> wherever their literal text fits; the plugin masks them."""
+    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+
+    tok = load_offline_tokenizer("mistral-v1")
+    masker = get_backend("xgrammar").compile(builtin_grammar("json"), tok)
+    state = masker.new_state()
+    for token in tok.encode('{"a": "', add_special_tokens=False):
+        state.advance(token)
+    specials = sorted(set(tok.all_special_ids) - set(masker.eos_token_ids))
+    assert specials and not state.allowed_mask()[specials].any()
+    with pytest.raises(ForbiddenTokenError):
+        state.advance(specials[0])
