@@ -144,6 +144,8 @@ class AsapRun:
     growth: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     samples: list[list[int]] = field(default_factory=list)
+    #: Samples dropped because the masker refused a token its mask allowed (backend bug).
+    masker_errors: list[str] = field(default_factory=list)
 
     @property
     def seconds_per_sample(self) -> float:
@@ -173,7 +175,11 @@ def run_asap(prefilled: PrefilledPrompt, masker: Masker, n_samples: int, *,
         batch = decode(prefilled, b, masker=masker, adjuster=trie, max_new_tokens=max_new_tokens,
                        generator=generator, timer=timer)
         t0 = time.perf_counter()
-        for toks, lps, logz in zip(batch.token_ids, batch.lm_logprobs, batch.log_allowed_mass):
+        for toks, lps, logz, bad in zip(batch.token_ids, batch.lm_logprobs,
+                                        batch.log_allowed_mass, batch.failed):
+            if bad:  # the masker broke down on this sample: its path teaches nothing reliable
+                run.masker_errors.append(batch.errors[0] if batch.errors else "")
+                continue
             trie.update(toks, lps, logz)
         timer.add("asap_update", time.perf_counter() - t0)
         run.samples.extend(batch.token_ids)

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import DeadEndError, VocabMismatchError
+from ..errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
 from ..generation import LogitAdjuster
 from ..protocol import Masker, MaskerState
 from .timing import NullTimer, PhaseTimer
@@ -86,6 +86,10 @@ class DecodeBatch:
     states: list[MaskerState] = field(default_factory=list)
     #: True where ``cut_by`` refused a token and the row was stopped there.
     cut: list[bool] = field(default_factory=list)
+    #: True where the masker refused a token its own mask allowed (a backend bug); the row
+    #: stopped there. ``errors`` holds the messages.
+    failed: list[bool] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
 
 def decode(prefilled: PrefilledPrompt, n: int, *, masker: Masker | None = None,
@@ -111,6 +115,8 @@ def decode(prefilled: PrefilledPrompt, n: int, *, masker: Masker | None = None,
     states = [masker.new_state() for _ in range(n)] if masker is not None else []
     watched = [cut_by.new_state() for _ in range(n)] if cut_by is not None else []
     cut = [False] * n
+    failed = [False] * n
+    errors: list[str] = []
     tokens: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
     logz: list[list[float]] = [[] for _ in range(n)]
@@ -136,7 +142,14 @@ def decode(prefilled: PrefilledPrompt, n: int, *, masker: Masker | None = None,
                 if masker is not None:
                     logz[i].append(float(row_logz[k]))
                     t0 = time.perf_counter()
-                    states[i].advance(t)
+                    try:
+                        states[i].advance(t)
+                    except ForbiddenTokenError as exc:
+                        # the mask allowed t but the masker's own parser refuses it: a backend
+                        # inconsistency. The row stops here (never continues unconstrained).
+                        failed[i] = True
+                        finished[i] = True
+                        errors.append(str(exc))
                     timer.add("advance", time.perf_counter() - t0)
                 if watched:
                     if watched[i].allowed_mask()[t]:
@@ -153,10 +166,10 @@ def decode(prefilled: PrefilledPrompt, n: int, *, masker: Masker | None = None,
             out = lm.model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             timer.add("lm_forward", time.perf_counter() - t0)
-    ended = [bool(f) and not c for f, c in zip(finished, cut)]
+    ended = [bool(f) and not c and not e for f, c, e in zip(finished, cut, failed)]
     return DecodeBatch(token_ids=tokens, finished=ended, lm_logprobs=lps,
                        log_allowed_mass=logz, seconds=time.perf_counter() - start,
-                       states=states, cut=cut)
+                       states=states, cut=cut, failed=failed, errors=errors)
 
 
 def _constrain(logp: torch.Tensor, states: Sequence[MaskerState], live: np.ndarray, step: int,

@@ -67,9 +67,13 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
     lines += [f"- LM: `{r.lm['identifier']}` (revision `{r.lm['revision'][:12]}`, logits width "
               f"{r.lm['vocab_size']})",
               f"- backend: `{r.backend['name']}` {r.backend['version']}",
-              f"- N = {o['n_samples']} unconstrained draws per case for the support; SHIM "
-              f"trained on {o['n_train'] or o['n_samples']} separate draws; ASAp after "
-              f"{o['asap_samples']} samples (trie updated every {o['asap_batch_size']}); "
+              f"- N = {o['n_samples']} unconstrained draws per case for the support"
+              + (" (each cut at the first token the masker refuses)" if o.get("cut_draws")
+                 else "")
+              + (f"; SHIM trained on {o['n_train'] or o['n_samples']} separate draws; "
+                 if any(m in methods for m in SHIM_METHODS) else "; ")
+              + f"ASAp after {o['asap_samples']} samples (trie updated every "
+              f"{o['asap_batch_size']}); "
               f"{o['timing_samples']} samples per method for timing; seed {o['seed']}; "
               f"{o['n_bootstrap']} bootstrap resamples",
               f"- command: `{r.command}`",
@@ -109,6 +113,15 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
         cells = [_fmt(case.get("timing", {}).get(m, {}).get("seconds_per_sample"), 4)
                  for m in methods]
         lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+    rej = [c for c in r.cases if "rejection" in c["methods"]]
+    if rej:
+        lines += ["", "Rejection sampling measured on the N batched draws (the exact target's "
+                  "price):", "", "| case | acceptance rate | s per accepted sample |",
+                  "|---|---:|---:|"]
+        for case in rej:
+            m = case["methods"]["rejection"]
+            lines.append(f"| {case['name']} | {_fmt(m['acceptance_rate'], 3)} | "
+                         f"{_fmt(m['batched_seconds_per_accepted'], 3)} |")
     lines += ["", "Mean tokens per sample (EOS included):", "",
               "| case | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
     for case in r.cases:
@@ -195,6 +208,14 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
                      f"{s['distinct_valid']} | {s['truncated_draws']} | "
                      f"{s['masker_rejected_valid']} | {case['prompt_tokens']} | "
                      f"{'yes' if case.get('stop_at_newline') else 'no'} |")
+    broken = [(c["name"], c["methods"]["asap"]) for c in r.cases
+              if c["methods"].get("asap", {}).get("masker_errors")]
+    if broken:
+        lines += ["", "ASAp samples dropped because the masker refused a token its own mask "
+                  "allowed (a backend inconsistency; the sample stops, never unconstrained):", ""]
+        for name, a in broken:
+            lines.append(f"- {name}: {a['masker_errors']} sample(s), e.g. "
+                         f"`{a['masker_error_example']}`")
     refused = [(c["name"], c["support"]["masker_rejected_examples"]) for c in r.cases
                if c["support"]["masker_rejected_examples"]]
     if refused:

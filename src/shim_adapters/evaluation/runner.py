@@ -273,11 +273,14 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
                                          scores.methods[f"asap@{opts.asap_samples}"]),
             "after_samples": opts.asap_samples, "batch_size": opts.asap_batch_size,
             "trie_growth": asap_run.growth,
+            "masker_errors": len(asap_run.masker_errors),
+            "masker_error_example": (asap_run.masker_errors or [None])[0],
             "trie_nodes": asap_run.trie.n_nodes, "trie_bytes": asap_run.trie.nbytes(),
             "trie_bytes_per_token": asap_run.trie.nbytes() / max(1, asap_run.trie.n_tokens),
             "trie_bytes_per_sample": asap_run.trie.nbytes() / max(1, asap_run.trie.n_samples),
             "training_seconds": asap_run.seconds,
             "training_seconds_per_sample": asap_run.seconds_per_sample,
+            "training_phases": asap_timer.summary(),
         }
     if MASKING not in methods:
         result["methods"].pop(MASKING, None)

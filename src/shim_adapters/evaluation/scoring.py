@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import VocabMismatchError
+from ..errors import ForbiddenTokenError, VocabMismatchError
 from ..generation import LogitAdjuster
 from ..protocol import Masker
 from .decoding import PrefilledPrompt
@@ -142,7 +142,15 @@ def _score_methods(logp, batch, idx, masker, adjusters, method_lp, accepts, forb
             for k, w, p in zip(keep, weights, tok_pos):
                 method_lp[name][idx[k]] += w[p] - np.logaddexp.reduce(w)
         for k in keep:
-            states[k].advance(batch[k][step])
+            try:
+                states[k].advance(batch[k][step])
+            except ForbiddenTokenError:
+                # the mask allowed the token but the masker's parser refuses it (a backend
+                # inconsistency): no masked method can produce this sequence
+                alive[k] = False
+                forbidden[idx[k]] = step
+                for name in adjusters:
+                    method_lp[name][idx[k]] = -np.inf
     for k in range(len(batch)):
         accepts[idx[k]] = bool(alive[k] and states[k].is_finished)
         if alive[k] and not states[k].is_finished:
