@@ -72,9 +72,9 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
                  else "")
               + (f"; SHIM trained on {o['n_train'] or o['n_samples']} separate draws; "
                  if any(m in methods for m in SHIM_METHODS) else "; ")
-              + f"ASAp after {o['asap_samples']} samples (trie updated every "
-              f"{o['asap_batch_size']}); "
-              f"{o['timing_samples']} samples per method for timing; seed {o['seed']}; "
+              + (f"ASAp after {o['asap_samples']} samples (trie updated every "
+                 f"{o['asap_batch_size']}); " if "asap" in methods else "")
+              + f"{o['timing_samples']} samples per method for timing; seed {o['seed']}; "
               f"{o['n_bootstrap']} bootstrap resamples",
               f"- command: `{r.command}`",
               "- KL is in nats over the distinct valid draws S, both distributions renormalised "
