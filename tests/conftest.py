@@ -20,6 +20,12 @@ def shipped_lm():
     return load_lm(None)
 
 
+@pytest.fixture(scope="session")
+def lm(shipped_lm):
+    """The shipped LM, loaded once per session (tests that fit controllers share it)."""
+    return shipped_lm
+
+
 @pytest.fixture(scope="module")
 def example_plugin():
     """docs/example_plugin.py, imported as a module and registered directly with pluggy.

@@ -14,18 +14,12 @@ from shim_adapters.artefact import (MANIFEST_FILE, WEIGHTS_FILE, ArtefactCorrupt
 from shim_adapters.controller import CONTROLLERS, make_controller
 from shim_adapters.errors import ManifestMismatchError
 from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
 from shim_adapters.plugins import get_backend
 from shim_adapters.training_data import sample_training_data
 
 torch.set_num_threads(1)
 BACKEND = "syncode"
 OTHER_BACKEND = "xgrammar"
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_lm(None)
 
 
 @pytest.fixture(scope="module")

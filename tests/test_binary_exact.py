@@ -15,7 +15,6 @@ from shim_adapters.controller import CONTROLLERS, make_controller
 from shim_adapters.correction import ShimAdjuster
 from shim_adapters.exact import enumerate_language, sequence_logprob, sequence_logprobs
 from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
 from shim_adapters.plugins import get_backend
 from shim_adapters.training_data import sample_training_data
 
@@ -25,11 +24,6 @@ BINARY5 = sorted(["10111", "10001", "10010", "11001", "10011", "11110", "10101",
                   "00100", "11100", "11010", "10110", "00010", "11011", "10100", "11000"])
 #: Fixed seed and 1,000 completions (the paper's N): every kind beat masking on seeds 0 and 1.
 N_SAMPLES, SEED = 1000, 0
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_lm(None)
 
 
 @pytest.fixture(scope="module")

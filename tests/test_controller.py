@@ -9,18 +9,12 @@ import torch
 from shim_adapters.controller import (CONTROLLERS, LR_FULL, LR_NT, MLP, fit_controller,
                                       make_controller)
 from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
 from shim_adapters.plugins import get_backend
 from shim_adapters.training_data import sample_training_data
 
 torch.set_num_threads(1)
 BV4_BACKEND = "syncode"
 FAST = dict(n_splits=2)
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_lm(None)
 
 
 @pytest.fixture(scope="module")

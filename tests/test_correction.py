@@ -12,7 +12,6 @@ from shim_adapters.controller import LR_FULL, MLP
 from shim_adapters.correction import ShimAdjuster, ShimLogitsProcessor, sample_with_shim
 from shim_adapters.generation import MaskedLogitsProcessor
 from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
 from shim_adapters.plugins import get_backend
 from shim_adapters.reference import reference_acceptor
 from shim_adapters.training_data import sample_training_data
@@ -20,11 +19,6 @@ from shim_adapters.training_data import sample_training_data
 torch.set_num_threads(1)
 #: Two grammars through two backends.
 CASES = {"bv4": "syncode", "binary5": "xgrammar"}
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_lm(None)
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,6 @@ from shim_adapters.reference import reference_acceptor
 N_SAMPLES = 96
 
 
-@pytest.fixture
-def lm(shipped_lm) -> LoadedLM:
-    """The shipped LM as ``load_lm(None)`` returns it (loaded once per session in conftest)."""
-    return shipped_lm
-
-
 def sample(lm: LoadedLM, prompt: str, n: int = N_SAMPLES, seed: int = 0) -> list[str]:
     """Pure ancestral samples: temperature 1, top-p 1, no top-k."""
     torch.manual_seed(seed)

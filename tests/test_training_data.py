@@ -8,18 +8,12 @@ import torch
 
 from shim_adapters.exact import sequence_logprobs
 from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
 from shim_adapters.plugins import get_backend
 from shim_adapters.reference import reference_acceptor
 from shim_adapters.training_data import TENSORS_FILE, TrainingData, sample_training_data
 
 torch.set_num_threads(1)
 BV4_BACKEND = "syncode"
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_lm(None)
 
 
 @pytest.fixture(scope="module")
