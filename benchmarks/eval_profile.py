@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--cut-draws", action="store_true",
                    help="stop an unconstrained draw at the first token the masker refuses")
+    p.add_argument("--target", default="final", choices=("final", "rollout", "bootstrap"),
+                   help="SHIM training labels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
@@ -55,13 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         asap_samples=a.asap_samples, asap_batch_size=a.asap_batch_size,
         asap_checkpoints=tuple(int(x) for x in a.asap_checkpoints.split(",")),
         timing_samples=a.timing_samples, n_bootstrap=a.n_bootstrap,
-        max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, cut_draws=a.cut_draws)
+        max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, cut_draws=a.cut_draws,
+        target=a.target)
     methods = [m for m in report.methods if m != "rejection"]
     print(f"{'case':32s} {'|S|':>5s} " + " ".join(f"{m:>10s}" for m in methods))
     for case in report.cases:
         kls = [case["methods"].get(m, {}).get("kl", {}).get("kl", math.nan) for m in methods]
         print(f"{case['name'][:32]:32s} {case['support']['size']:5d} "
               + " ".join(f"{k:10.4f}" for k in kls))
+    print("KL over the whole language (Monte-Carlo):")
+    for case in report.cases:
+        kls = [case["methods"].get(m, {}).get("language_kl", {}).get("kl", math.nan)
+               for m in methods]
+        print(f"{case['name'][:32]:32s} {'':5s} " + " ".join(f"{k:10.4f}" for k in kls))
     print("seconds per sample relative to masking:")
     for case in report.cases:
         t = case.get("timing", {})

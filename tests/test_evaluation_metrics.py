@@ -101,3 +101,57 @@ def test_stability_curve_settles_to_the_full_support():
     sizes = [p["support_size"] for p in curve]
     assert sizes == sorted(sizes)
     assert curve[-1]["kl"] == pytest.approx(support_kl(draws, target, method))
+
+
+# ---- KL over the whole language (Monte-Carlo, unrenormalised) ------------------------------
+from shim_adapters.evaluation.metrics import language_kl  # noqa: E402
+
+
+def test_language_kl_is_zero_for_the_target_itself():
+    lp = np.log([0.3, 0.2])  # P(L) = 0.5, p(·|G) = (0.6, 0.4)
+    ids = np.array([0, 0, 0, 1, 1, -1, -1, -1, -1, -1])  # valid fraction 0.5, proportions 3:2
+    est = language_kl(ids, lp, lp - math.log(0.5), reference_logprob=lp - math.log(0.5))
+    assert est.kl == pytest.approx(0.0, abs=1e-12)
+    assert est.diff == pytest.approx(0.0, abs=1e-12)
+    assert (est.n_valid, est.n_draws) == (5, 10)
+
+
+def test_language_kl_small_case_by_hand():
+    # p(x1) = p(x2) = 1/4, P(L) = 1/2 (two of four draws valid): p(·|G) = (1/2, 1/2);
+    # q = (3/4, 1/4): KL = 1/2 ln(2/3) + 1/2 ln 2 = 1/2 ln(4/3)
+    ids = np.array([0, 1, -1, -1])
+    lp = np.log([0.25, 0.25])
+    est = language_kl(ids, lp, np.log([0.75, 0.25]), n_bootstrap=50)
+    assert est.kl == pytest.approx(0.5 * math.log(4.0 / 3.0))
+    assert math.isnan(est.diff)
+    # unlike the support KL, mass that q puts outside the sampled strings counts:
+    # q = (0.1, 0.1) renormalises to the target over S, but loses 0.8 elsewhere
+    assert kl_over_support(lp, np.log([0.1, 0.1])) == pytest.approx(0.0, abs=1e-12)
+    assert language_kl(ids, lp, np.log([0.1, 0.1])).kl == pytest.approx(math.log(5.0))
+
+
+def test_language_kl_estimates_the_exact_kl_and_its_difference():
+    rng = np.random.default_rng(0)
+    p = np.array([0.30, 0.15, 0.05])  # LM mass of three valid strings; the rest (0.5) invalid
+    q_a = np.array([0.20, 0.30, 0.50])  # two methods' distributions over the language
+    q_b = np.array([0.55, 0.30, 0.15])
+    target = p / p.sum()
+    exact_a = float(np.sum(target * np.log(target / q_a)))
+    exact_b = float(np.sum(target * np.log(target / q_b)))
+    draws = rng.choice(4, size=20000, p=np.append(p, 0.5))
+    ids = np.where(draws == 3, -1, draws)
+    est = language_kl(ids, np.log(p), np.log(q_a), reference_logprob=np.log(q_b),
+                      n_bootstrap=200)
+    assert est.kl == pytest.approx(exact_a, abs=0.02)
+    # the 95% intervals are ~4 standard errors wide: the truth lies within one width
+    assert abs(est.kl - exact_a) <= est.ci_high - est.ci_low
+    assert est.diff == pytest.approx(exact_a - exact_b, abs=0.02)
+    assert abs(est.diff - (exact_a - exact_b)) <= est.diff_ci_high - est.diff_ci_low
+    assert est.diff_ci_high < 0 or est.diff_ci_low > 0  # the methods differ by 0.49 nats
+
+
+def test_language_kl_is_infinite_when_the_method_refuses_a_valid_draw():
+    est = language_kl(np.array([0, 1, -1]), np.log([0.3, 0.3]), np.array([0.0, -np.inf]))
+    assert math.isinf(est.kl)
+    with pytest.raises(ValueError, match="shape"):
+        language_kl(np.array([0, 1]), np.log([0.3, 0.3]), np.log([0.5]))

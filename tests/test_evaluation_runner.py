@@ -17,10 +17,10 @@ def test_quick_binary5_run_writes_a_complete_report(tmp_path):
                                                            "rejection"],
                       n_samples=300, seed=0, out_dir=tmp_path, progress=False, n_train=300,
                       asap_samples=30, asap_checkpoints=(0, 10, 30), timing_samples=3,
-                      n_bootstrap=50)
+                      n_bootstrap=50, target="rollout")
     (case,) = report.cases
     for name in ("report.json", "report.md", "kl_per_case.png", "distortion_binary5.png",
-                 "kl_vs_support.png", "asap_kl_vs_samples.png"):
+                 "kl_vs_support.png", "asap_kl_vs_samples.png", "language_kl_per_case.png"):
         assert (tmp_path / name).is_file(), name
     assert case["support"]["size"] > 10
     masking = case["methods"]["masking"]["kl"]
@@ -36,11 +36,41 @@ def test_quick_binary5_run_writes_a_complete_report(tmp_path):
         assert t["seconds_per_sample"] > 0 and t["phases"]["lm_forward"]["calls"] > 0
     assert case["timing"]["lr_nt"]["phases"]["gamma"]["calls"] > 0
     assert case["methods"]["asap"]["trie_bytes_per_token"] > 0
+    # the whole-language KL: masking's Monte-Carlo estimate brackets its exact value, and
+    # each method's paired difference to masking is reported (0 for masking itself)
+    lang = case["methods"]["masking"]["language_kl"]
+    assert abs(lang["kl"] - case["exact"]["kl"]["masking"]) <= lang["ci_high"] - lang["ci_low"]
+    assert lang["diff"] == 0.0 and lang["n_valid"] == int(case["support"]["valid_draws"])
+    assert math.isfinite(case["methods"]["lr_nt"]["language_kl"]["diff"])
+    assert "language_kl" in case["asap_curve"][-1]
+    shim = case["methods"]["lr_nt"]
+    assert shim["target"] == "rollout" and shim["decision"]
+    assert (shim["beta"] == 0.0) == shim["falls_back_to_masking"]
     # the JSON reads back into the same report
     again = EvalReport.from_json(tmp_path / "report.json")
     assert again.cases[0]["support"] == case["support"]
     md = (tmp_path / "report.md").read_text()
-    assert "binary5" in md and "Exact KL" in md
+    assert "binary5" in md and "Exact KL" in md and "over the whole language" in md
+
+
+def test_rescoring_from_stored_scores_reproduces_the_metrics(tmp_path):
+    from shim_adapters.evaluation.rescore import rescore_report
+
+    run_eval("binary5", None, "xgrammar", methods=["masking", "asap"], n_samples=200, seed=1,
+             out_dir=tmp_path, progress=False, asap_samples=10, asap_checkpoints=(0, 10),
+             timing_samples=1, n_bootstrap=30)
+    before = json.loads((tmp_path / "report.json").read_text())
+    (tmp_path / "report.md").unlink()
+    after = rescore_report(tmp_path, plots=False)
+    assert (tmp_path / "report.md").is_file()
+    for name in ("masking", "asap"):
+        for metric in ("kl", "language_kl"):
+            assert after.cases[0]["methods"][name][metric] == pytest.approx(
+                before["cases"][0]["methods"][name][metric], nan_ok=True)
+    assert after.cases[0]["timing"] == before["cases"][0]["timing"]
+    (tmp_path / "scores" / "binary5.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no stored scores"):
+        rescore_report(tmp_path, plots=False)
 
 
 def test_suite_files_and_errors(tmp_path):

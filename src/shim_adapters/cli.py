@@ -157,11 +157,13 @@ def sample_command(grammar_spec, backend, lm_spec, controller_dir, prompt, promp
 @click.option("--asap-samples", default=100, show_default=True)
 @click.option("--cases", default=None, help="Comma-separated case names to run.")
 @click.option("--limit", default=None, type=int, help="Run only the first N cases.")
+@click.option("--target", type=click.Choice(["final", "rollout", "bootstrap"]), default="final",
+              show_default=True, help="SHIM training labels (see shim_adapters.targets).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", "out_dir", default="runs/eval", show_default=True,
               type=click.Path(file_okay=False))
 def eval_command(suite, data_dir, lm_spec, backend, methods, n_samples, n_train, asap_samples,
-                 cases, limit, seed, out_dir) -> None:
+                 cases, limit, target, seed, out_dir) -> None:
     """KL to the grammar-conditioned target and time per sample, per method and case."""
     from .evaluation.report import markdown
     from .evaluation.runner import run_eval
@@ -169,10 +171,22 @@ def eval_command(suite, data_dir, lm_spec, backend, methods, n_samples, n_train,
     report = run_eval(suite, lm_spec=lm_spec, backend=backend,
                       methods=[m.strip() for m in methods.split(",") if m.strip()],
                       n_samples=n_samples, seed=seed, out_dir=out_dir, n_train=n_train,
-                      asap_samples=asap_samples, data_dir=data_dir, limit=limit,
+                      asap_samples=asap_samples, data_dir=data_dir, limit=limit, target=target,
                       cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
     click.echo(markdown(report))
     click.echo(f"wrote {out_dir}")
+
+
+@main.command("report")
+@click.argument("report_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
+def report_command(report_dir, no_plots) -> None:
+    """Recompute an evaluation's metrics from its stored scores (no sampling) and rewrite
+    report.json, report.md and the plots."""
+    from .evaluation.rescore import rescore_report
+
+    rescore_report(report_dir, plots=not no_plots)
+    click.echo(f"rewrote {report_dir}/report.md")
 
 
 @main.command("conformance", add_help_option=False,

@@ -4,6 +4,11 @@ The paper's protocol (DESIGN.md section 3): draw N unconstrained LM samples, kee
 as the support S, renormalise the LM's and the method's exact sequence probabilities over S and
 take the KL. Both inputs are log-probabilities over the same sequences; renormalising makes any
 constant offset (the prompt, the LM's invalid mass) irrelevant. KL is in nats.
+
+Renormalising over S also hides the mass a method puts *outside* S, which is where masking's
+error mostly goes (towards strings the LM rarely finishes). :func:`language_kl` estimates the
+KL to p(·|G) over the whole language instead: the valid draws are samples of p(·|G) and the
+valid fraction estimates P(L), so no renormalisation is needed.
 """
 
 from __future__ import annotations
@@ -123,3 +128,84 @@ def grouped_probabilities(keys: list[str], logprob: np.ndarray) -> dict[str, flo
     for key, value in zip(keys, p):
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+@dataclass(frozen=True)
+class LanguageKLEstimate:
+    """Monte-Carlo KL(p(·|G) ‖ q) over the whole language, with percentile bootstrap CIs.
+
+    ``diff*`` is KL(method) − KL(reference) (paired per draw; negative: the method is closer
+    to the target); nan when no reference was given."""
+
+    kl: float
+    ci_low: float
+    ci_high: float
+    diff: float
+    diff_ci_low: float
+    diff_ci_high: float
+    n_valid: int
+    n_draws: int
+    n_bootstrap: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _language_kl_terms(ids: np.ndarray, target_logprob: np.ndarray, method_logprob: np.ndarray,
+                       reference_logprob: np.ndarray | None) -> tuple[float, float]:
+    valid = ids[ids >= 0]
+    if valid.size == 0:
+        return float("nan"), float("nan")
+    log_pl = np.log(valid.size / ids.size)
+    lq = method_logprob[valid]
+    if not np.isfinite(lq).all():
+        kl = float("inf")
+    else:
+        kl = float(np.mean(target_logprob[valid] - lq) - log_pl)
+    if reference_logprob is None:
+        return kl, float("nan")
+    with np.errstate(invalid="ignore"):
+        diff = float(np.mean(reference_logprob[valid] - lq))
+    return kl, diff
+
+
+def language_kl(draw_ids: np.ndarray, target_logprob: np.ndarray, method_logprob: np.ndarray,
+                reference_logprob: np.ndarray | None = None, *, n_bootstrap: int = 200,
+                confidence: float = 0.95, seed: int = 0) -> LanguageKLEstimate:
+    """KL(p(·|G) ‖ q) = E_{x~p(·|G)}[log p(x) − log P(L) − log q(x)], estimated from N
+    unconstrained draws (``draw_ids``: index of each draw's sequence, -1 when invalid).
+
+    The valid draws are exact samples of p(·|G) and P(L) is estimated by their fraction, so
+    this is a consistent estimate of the KL over the *whole* language, not only over the
+    sequences that were drawn. ``target_logprob`` must be the LM's full sequence log-probability
+    (EOS included). The difference to ``reference_logprob`` (e.g. masking) needs no P(L) at
+    all: E[log q_ref(x) − log q(x)] = KL(q) − KL(ref). CIs resample all N draws (valid and
+    invalid), so the uncertainty of P(L) is included.
+    """
+    ids = np.asarray(draw_ids)
+    lp = np.asarray(target_logprob, dtype=np.float64)
+    lq = np.asarray(method_logprob, dtype=np.float64)
+    ref = None if reference_logprob is None else np.asarray(reference_logprob, dtype=np.float64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"need a non-empty 1-d array of draw ids, got shape {ids.shape}")
+    if lp.shape != lq.shape or (ref is not None and ref.shape != lp.shape):
+        raise ValueError(f"log-probability arrays differ in shape: {lp.shape}, {lq.shape}"
+                         + ("" if ref is None else f", {ref.shape}"))
+    kl, diff = _language_kl_terms(ids, lp, lq, ref)
+    rng = np.random.default_rng(seed)
+    reps = np.array([_language_kl_terms(ids[rng.integers(0, ids.size, size=ids.size)], lp, lq,
+                                        ref) for _ in range(n_bootstrap)]).reshape(-1, 2)
+    alpha = (1.0 - confidence) / 2.0
+
+    def interval(values: np.ndarray) -> tuple[float, float]:
+        values = values[~np.isnan(values)]
+        if values.size == 0:
+            return float("nan"), float("nan")
+        method = "inverted_cdf" if np.isinf(values).any() else "linear"
+        lo, hi = np.quantile(values, [alpha, 1.0 - alpha], method=method)
+        return float(lo), float(hi)
+
+    lo, hi = interval(reps[:, 0])
+    dlo, dhi = interval(reps[:, 1])
+    return LanguageKLEstimate(kl, lo, hi, diff, dlo, dhi, int((ids >= 0).sum()), int(ids.size),
+                              int(len(reps)))

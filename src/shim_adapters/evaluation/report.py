@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 
 SHIM_METHODS = ("lr_nt", "lr_full", "mlp")
+#: Below this many valid draws a bootstrap interval of the language KL is not reported as
+#: significant (it resamples a handful of target samples).
+MIN_VALID_FOR_CI = 10
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
@@ -77,8 +80,12 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
               + f"{o['timing_samples']} samples per method for timing; seed {o['seed']}; "
               f"{o['n_bootstrap']} bootstrap resamples",
               f"- command: `{r.command}`",
-              "- KL is in nats over the distinct valid draws S, both distributions renormalised "
-              "over S; the CI resamples S with replacement (|S| members, duplicates kept)",
+              "- KL is in nats. *Support KL* (the paper's): over the distinct valid draws S, both "
+              "distributions renormalised over S; the CI resamples S with replacement. "
+              "*Language KL*: KL(p(·|G) ‖ q) over the whole language, "
+              "E[log p(x) − log P(L) − log q(x)] over the valid draws (exact samples of "
+              "p(·|G)), P(L) = their fraction; the CI resamples all N draws. Renormalising over "
+              "S hides the mass a method puts outside S; the language KL counts it",
               f"- wall time {r.seconds / 60:.1f} min, peak RSS {r.peak_rss_mib:.0f} MiB", ""]
     lines += ["## KL(p(·|G) ‖ q) over the sampled support S (nats, 95% bootstrap CI)", "",
               "| case | \\|S\\| | " + " | ".join(kl_methods) + " |",
@@ -106,6 +113,7 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
             else:
                 cells.append(_fmt(base["kl"] / k["kl"], 2))
         lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+    lines += _language_kl_tables(r, kl_methods)
     lines += ["", "## Mean seconds per sample (one sample at a time; rejection: per accepted "
               "sample)", "",
               "| case | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
@@ -175,14 +183,20 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
     shim_cases = [c for c in r.cases if any(m in c["methods"] and "fit_seconds" in
                                             c["methods"][m] for m in SHIM_METHODS)]
     if shim_cases:
-        lines += ["", "## SHIM controllers", "", "| case | controller | β | fit s | "
-                  "training draws | sampling s | artefact KiB |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "## SHIM controllers", "", "β is fitted on held-out training "
+                  "completions; β = 0 (plain masking) when the held-out KL gain over masking "
+                  "is not above 1 SE.", "", "| case | controller | target | β | held-out gain "
+                  "± SE (nats) | fit s | training draws | sampling s | artefact KiB |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for case in shim_cases:
             for m in SHIM_METHODS:
                 info = case["methods"].get(m)
                 if info and "fit_seconds" in info:
-                    lines.append(f"| {case['name']} | {m} | {_fmt(info['beta'], 2)} | "
+                    gain = (f"{info['heldout_kl_gain']:.3g} ± {info['heldout_kl_gain_se']:.2g}"
+                            + (" (fell back)" if info["falls_back_to_masking"] else "")
+                            if "heldout_kl_gain" in info else "—")
+                    lines.append(f"| {case['name']} | {m} | {info.get('target', 'final')} | "
+                                 f"{_fmt(info['beta'], 2)} | {gain} | "
                                  f"{info['fit_seconds']:.1f} | {info['training_samples']} | "
                                  f"{info['training_sample_seconds']:.1f} | "
                                  f"{info['controller_bytes'] / 1024:.1f} |")
@@ -230,6 +244,48 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lang(case: dict, method: str) -> dict | None:
+    return case["methods"].get(method, {}).get("language_kl")
+
+
+def _language_kl_tables(r, kl_methods: list[str]) -> list[str]:
+    """The whole-language KL and each method's paired difference to masking."""
+    if not any(_lang(c, m) for c in r.cases for m in kl_methods):
+        return []
+    lines = ["", "## KL(p(·|G) ‖ q) over the whole language (Monte-Carlo; nats, 95% bootstrap "
+             "CI)", "", "| case | valid draws | " + " | ".join(kl_methods) + " |",
+             "|---|---:|" + "---:|" * len(kl_methods)]
+    for case in r.cases:
+        cells = []
+        for m in kl_methods:
+            k = _lang(case, m)
+            cells.append("—" if not k else f"{_fmt(k['kl'], 3)} [{_fmt(k['ci_low'], 3)}, "
+                                           f"{_fmt(k['ci_high'], 3)}]")
+        n_valid = next((k["n_valid"] for m in kl_methods if (k := _lang(case, m))), "—")
+        lines.append(f"| {case['name']} | {n_valid} | " + " | ".join(cells) + " |")
+    others = [m for m in kl_methods if m != "masking"]
+    if others:
+        lines += ["", "### Language KL of each method minus masking's (paired per draw; "
+                  "negative: closer to the target than masking; * the 95% CI excludes 0)", "",
+                  "| case | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
+        for case in r.cases:
+            cells = []
+            for m in others:
+                k = _lang(case, m)
+                if not k or k.get("diff") is None or math.isnan(k["diff"]):
+                    cells.append("—")
+                    continue
+                star = ("†" if k["n_valid"] < MIN_VALID_FOR_CI else
+                        "*" if k["diff_ci_high"] < 0 or k["diff_ci_low"] > 0 else "")
+                cells.append(f"{k['diff']:+.3f}{star} [{k['diff_ci_low']:+.3f}, "
+                             f"{k['diff_ci_high']:+.3f}]")
+            lines.append(f"| {case['name']} | " + " | ".join(cells) + " |")
+        if any((k := _lang(c, "masking")) and k["n_valid"] < MIN_VALID_FOR_CI for c in r.cases):
+            lines += ["", f"† fewer than {MIN_VALID_FOR_CI} valid draws: the bootstrap resamples "
+                      "too few target samples for the interval to mean anything."]
+    return lines
+
+
 def write_plots(report, out: Path) -> dict[str, Path]:
     import matplotlib
 
@@ -242,14 +298,23 @@ def write_plots(report, out: Path) -> dict[str, Path]:
     if not cases:
         return figures
 
-    # KL per case per method
+    for key, getter, label in (("kl_per_case", _kl, "support KL (paper)"),
+                               ("language_kl_per_case", _lang, "language KL")):
+        if any(getter(c, m) for c in cases for m in methods):
+            figures[key] = _kl_bar_plot(plt, report, methods, getter, label, out / f"{key}.png")
+    _other_plots(plt, report, methods, figures, out)
+    return figures
+
+
+def _kl_bar_plot(plt, report, methods, getter, label: str, path: Path) -> Path:
+    cases = report.cases
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases) * len(methods) / 3), 4))
     width = 0.8 / max(1, len(methods))
     x = np.arange(len(cases))
     for j, m in enumerate(methods):
         vals, lo, hi = [], [], []
         for c in cases:
-            k = _kl(c, m)
+            k = getter(c, m)
             v = k["kl"] if k and math.isfinite(k["kl"]) else np.nan
             vals.append(max(v, 1e-6) if not np.isnan(v) else np.nan)
             lo.append(max(v - (k["ci_low"] if k else v), 0) if not np.isnan(v) else 0)
@@ -259,13 +324,17 @@ def write_plots(report, out: Path) -> dict[str, Path]:
     ax.set_xticks(x + width * (len(methods) - 1) / 2)
     ax.set_xticklabels([c["name"] for c in cases], rotation=30, ha="right", fontsize=8)
     _log_scale_if_positive(ax, [p.get_height() for p in ax.patches])
-    ax.set_ylabel("KL(p(·|G) ‖ q) [nats]")
-    ax.set_title(f"KL per case ({report.lm['identifier']}, {report.backend['name']})")
+    ax.set_ylabel(f"{label} [nats]")
+    ax.set_title(f"{label} per case ({report.lm['identifier']}, {report.backend['name']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    figures["kl_per_case"] = out / "kl_per_case.png"
-    fig.savefig(figures["kl_per_case"], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
+
+
+def _other_plots(plt, report, methods, figures: dict[str, Path], out: Path) -> None:
+    cases = report.cases
 
     # distortion figure for finite languages
     for c in cases:
@@ -322,14 +391,12 @@ def write_plots(report, out: Path) -> dict[str, Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for c in curves:
             pts = c["asap_curve"]
-            base = _kl(c, "masking")
             line, = ax.plot([p["samples"] for p in pts],
                             [max(p["kl"], 1e-6) if math.isfinite(p["kl"]) else np.nan
                              for p in pts], marker="o", label=c["name"])
             best_shim = [(_kl(c, m) or {}).get("kl") for m in SHIM_METHODS if _kl(c, m)]
             if best_shim:
                 ax.axhline(max(min(best_shim), 1e-6), color=line.get_color(), ls=":", lw=0.8)
-            del base
         ax.set_xscale("symlog", linthresh=10)
         _log_scale_if_positive(ax, [y for ln in ax.get_lines() for y in ln.get_ydata()])
         ax.set_xlabel("ASAp samples")
@@ -340,7 +407,6 @@ def write_plots(report, out: Path) -> dict[str, Path]:
         figures["asap_kl_vs_samples"] = out / "asap_kl_vs_samples.png"
         fig.savefig(figures["asap_kl_vs_samples"], dpi=110)
         plt.close(fig)
-    return figures
 
 
 def _log_scale_if_positive(ax, values) -> None:

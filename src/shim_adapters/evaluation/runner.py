@@ -26,7 +26,8 @@ from .asap import run_asap
 from .decoding import decode, prefill
 from .exact_language import LanguageTooLargeError, enumerate_language
 from .lm_views import gqa_without_copies, prompt_cached, stop_folded
-from .metrics import bootstrap_kl, exact_kl, grouped_probabilities, stability_curve, support_of
+from .metrics import (bootstrap_kl, exact_kl, grouped_probabilities, language_kl, stability_curve,
+                      support_of)
 from .rejection import draw_lm_samples
 from .scoring import MASKING, score_sequences
 from .suites import EvalCase, Suite, load_suite
@@ -43,8 +44,11 @@ class EvalOptions:
 
     n_samples: int = 1000
     seed: int = 0
-    #: Unconstrained completions the SHIM controllers are fitted on (None: n_samples).
+    #: Completions the SHIM controllers are fitted on (None: n_samples).
     n_train: int | None = None
+    #: SHIM training labels (:mod:`shim_adapters.targets`): ``final`` (the paper's 0/1 validity
+    #: of unconstrained completions), ``rollout`` or ``bootstrap`` (masked completions).
+    target: str = "final"
     asap_samples: int = 100
     #: ASAp samples drawn between trie updates (1 = the sequential algorithm).
     asap_batch_size: int = 1
@@ -138,6 +142,11 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     opts = EvalOptions(n_samples=n_samples, seed=seed, **options)
+    from ..targets import TARGET_KINDS
+
+    if opts.target not in TARGET_KINDS:
+        raise ValueError(f"unknown SHIM target {opts.target!r}; choose from "
+                         f"{', '.join(TARGET_KINDS)}")
     suite_obj = load_suite(suite, opts.data_dir).select(
         list(opts.cases) if opts.cases else None, opts.limit)
     start = time.perf_counter()
@@ -258,17 +267,21 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
     for name, lp in scores.methods.items():
         est = bootstrap_kl(reachable_ids, target, lp, n_bootstrap=opts.n_bootstrap,
                            seed=opts.seed)
-        entry = {"kl": est.as_dict(),
+        lang_est = language_kl(reachable_ids, target, lp, scores.methods[MASKING],
+                               n_bootstrap=opts.n_bootstrap, seed=opts.seed)
+        entry = {"kl": est.as_dict(), "language_kl": lang_est.as_dict(),
                  "stability": stability_curve(reachable_ids, target, lp)}
         if name.startswith("asap@"):
             result.setdefault("asap_curve", []).append(
-                {"samples": int(name.split("@")[1]), **est.as_dict()})
+                {"samples": int(name.split("@")[1]), **est.as_dict(),
+                 "language_kl": lang_est.as_dict()})
             continue
         result["methods"][name] = entry
     if "asap" in methods:
         final = result["asap_curve"][-1]
         result["methods"]["asap"] = {
-            "kl": {k: v for k, v in final.items() if k != "samples"},
+            "kl": {k: v for k, v in final.items() if k not in ("samples", "language_kl")},
+            "language_kl": final["language_kl"],
             "stability": stability_curve(reachable_ids, target,
                                          scores.methods[f"asap@{opts.asap_samples}"]),
             "after_samples": opts.asap_samples, "batch_size": opts.asap_batch_size,
@@ -319,31 +332,42 @@ def _fit_shim(case, lm, masker: Masker, kinds: list[str], opts: EvalOptions, max
     from ..artefact import save_controller
     from ..controller import make_controller
     from ..correction import ShimAdjuster
+    from ..targets import make_targets
     from ..training_data import sample_training_data
 
     n_train = opts.n_train or opts.n_samples
     t0 = time.perf_counter()
     data = sample_training_data(lm, masker, case.prompt, n_train, max_new_tokens=max_new,
                                 seed=opts.seed + 1, progress=False,
-                                batch_size=opts.batch_size)
+                                batch_size=opts.batch_size,
+                                proposal="lm" if opts.target == "final" else "masked")
     sample_seconds = time.perf_counter() - t0
-    _log(progress, f"  training data: {n_train} completions in {sample_seconds:.1f}s, "
-                   f"valid fraction {float(np.mean(data.valid)):.3f}")
+    _log(progress, f"  training data ({opts.target} target): {n_train} completions in "
+                   f"{sample_seconds:.1f}s, valid fraction {float(np.mean(data.valid)):.3f}")
     out = {}
     for name in kinds:
         t0 = time.perf_counter()
-        controller = make_controller(SHIM_KINDS[name]).fit(data)
+        targets = make_targets(opts.target, data, lambda: make_controller(SHIM_KINDS[name]))
+        controller = make_controller(SHIM_KINDS[name]).fit(
+            targets.data, y=targets.y, completion_weight=targets.completion_weight)
+        controller.target_ = opts.target
         fit_seconds = time.perf_counter() - t0
         directory = (out_dir / "controllers" / case.name / name) if out_dir else \
             Path(tempfile.mkdtemp(prefix="shim-eval-"))
-        manifest = save_controller(directory, controller, masker, lm, prompt=case.prompt)
+        manifest = save_controller(directory, controller, masker, lm, prompt=case.prompt,
+                                   training={"target": opts.target})
         info[name] = {"fit_seconds": fit_seconds, "training_samples": n_train,
-                      "training_sample_seconds": sample_seconds,
+                      "training_sample_seconds": sample_seconds, "target": opts.target,
                       "controller_bytes": int(manifest.get("weights_bytes", 0)),
                       "beta": float(getattr(controller, "beta_", float("nan"))),
-                      "reg": float(getattr(controller, "reg_", float("nan")))}
+                      "reg": float(getattr(controller, "reg_", float("nan"))),
+                      "falls_back_to_masking": bool(controller.falls_back_to_masking_),
+                      "heldout_kl_gain": float(controller.heldout_kl_gain_),
+                      "heldout_kl_gain_se": float(controller.heldout_kl_gain_se_),
+                      "decision": controller.decision_}
         out[name] = ShimAdjuster(controller)
-        _log(progress, f"  {name}: fitted in {fit_seconds:.1f}s (beta={info[name]['beta']})")
+        _log(progress, f"  {name}: fitted in {fit_seconds:.1f}s (beta={info[name]['beta']}; "
+                       f"{controller.decision_})")
     return out
 
 
