@@ -149,3 +149,19 @@ def test_falls_back_to_masking_where_masking_is_already_exact(shipped_lm, caplog
     state = masker.new_state()
     state.advance(int(data.completion_tokens(int(np.flatnonzero(data.valid)[0]))[0]))
     assert np.all(c.predict_log_gamma(state.features(), state.allowed_token_ids()) == 0.0)
+
+
+def test_too_few_target_samples_fall_back_to_masking(shipped_lm, binary5):
+    """With three valid completions the held-out gain and its SE mean nothing (one valid
+    completion has SE 0): the fit must not trust them."""
+    data = sample_training_data(shipped_lm, binary5, binary5.grammar.default_prompt, 120,
+                                seed=7, progress=False)
+    keep = np.concatenate([np.flatnonzero(~data.valid), np.flatnonzero(data.valid)[:3]])
+    few = data.subset(np.sort(keep))
+    assert int(few.valid.sum()) == 3
+    c = LR_FULL(**FAST).fit(few)
+    assert c.falls_back_to_masking_ and c.beta_ == 0.0
+    assert c.heldout_effective_samples_ == pytest.approx(3.0)
+    assert "only 3 effective held-out target samples" in c.decision_
+    trusting = LR_FULL(**FAST, min_target_samples=1).fit(few)
+    assert "effective held-out target samples" not in trusting.decision_

@@ -87,7 +87,7 @@ class Controller:
     def __init__(self, reg_grid: Sequence[float] = (0.01, 0.1, 1.0, 10.0),
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
                  parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
-                 min_gain_se: float = 1.0):
+                 min_gain_se: float = 1.0, min_target_samples: float = 10.0):
         self.reg_grid = tuple(reg_grid)
         self.beta_grid = tuple(beta_grid)
         self.n_splits = n_splits
@@ -95,13 +95,16 @@ class Controller:
         self.min_cross_count = min_cross_count
         self.random_state = random_state
         self.min_gain_se = min_gain_se
+        #: Below this effective number of held-out target samples the gain and its SE are
+        #: not trusted (one valid completion has SE 0): the fit falls back to masking.
+        self.min_target_samples = min_target_samples
 
     # ---- hyper-parameters -----------------------------------------------------------------
     def get_params(self) -> dict[str, Any]:
         return dict(reg_grid=list(self.reg_grid), beta_grid=list(self.beta_grid),
                     n_splits=self.n_splits, parser_top_k=self.parser_top_k,
                     min_cross_count=self.min_cross_count, random_state=self.random_state,
-                    min_gain_se=self.min_gain_se)
+                    min_gain_se=self.min_gain_se, min_target_samples=self.min_target_samples)
 
     def _new_encoder(self) -> FeatureEncoder:
         return FeatureEncoder(groups=self.feature_groups, parser_top_k=self.parser_top_k,
@@ -227,6 +230,8 @@ class Controller:
         correction removes. It must exceed ``min_gain_se`` standard errors (weighted, paired
         per completion) or the controller falls back to β = 0, i.e. plain masking."""
         total = float(cw.sum())
+        ess = total ** 2 / float(np.sum(cw ** 2)) if total > 0 else 0.0
+        self.heldout_effective_samples_ = ess
         has_masking = bool(len(betas) and betas[0] == 0)
         if total <= 0:
             mask_score = best_score = gain = se = float("nan")
@@ -249,6 +254,12 @@ class Controller:
             self.falls_back_to_masking_ = True
             self.decision_ = ("correction does not help: no held-out completion is a sample of "
                               "the target; falling back to β=0 (plain masking)")
+        elif ess < self.min_target_samples:
+            self.falls_back_to_masking_ = True
+            self.decision_ = (f"correction not trusted: only {ess:.3g} effective held-out target "
+                              f"samples (needs >= {self.min_target_samples:g}; best β "
+                              f"{betas[best_b]:g} would gain {gain:.3g} ± {se:.3g} nats); "
+                              f"falling back to β=0 (plain masking)")
         elif best_b == 0 or not gain > self.min_gain_se * se:
             self.falls_back_to_masking_ = True
             self.decision_ = (f"correction does not help on held-out completions (best β "
@@ -383,6 +394,7 @@ class Controller:
                                          else getattr(self, "heldout_score_best_", None)),
                 "heldout_kl_gain": getattr(self, "heldout_kl_gain_", None),
                 "heldout_kl_gain_se": getattr(self, "heldout_kl_gain_se_", None),
+                "heldout_effective_samples": getattr(self, "heldout_effective_samples_", None),
                 "falls_back_to_masking": getattr(self, "falls_back_to_masking_", None),
                 "decision": getattr(self, "decision_", None)}
 
@@ -440,10 +452,11 @@ class MLP(Controller):
                  epochs: int = 40, batch_size: int = 256, learning_rate: float = 3e-3,
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
                  parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
-                 min_gain_se: float = 1.0):
+                 min_gain_se: float = 1.0, min_target_samples: float = 10.0):
         super().__init__(reg_grid=reg_grid, beta_grid=beta_grid, n_splits=n_splits,
                          parser_top_k=parser_top_k, min_cross_count=min_cross_count,
-                         random_state=random_state, min_gain_se=min_gain_se)
+                         random_state=random_state, min_gain_se=min_gain_se,
+                         min_target_samples=min_target_samples)
         self.hidden = tuple(hidden)
         self.epochs = epochs
         self.batch_size = batch_size
