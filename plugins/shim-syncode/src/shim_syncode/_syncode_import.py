@@ -19,6 +19,7 @@ _loaded: dict[str, ModuleType] = {}
 _MODULES = (
     "syncode.mask_store.mask_store",
     "syncode.mask_store.fsm_set",
+    "syncode.mask_store.byte_tokenizer",
     "syncode.parsers",
     "syncode.parsers.incremental_parser",
     "syncode.parsers.grammars.grammar",

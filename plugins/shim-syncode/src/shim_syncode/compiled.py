@@ -36,6 +36,7 @@ class CacheKey:
     syncode_version: str
     mode: str
     vocab_len: int
+    lexing: str = "auto"
 
 
 @dataclass
@@ -45,7 +46,7 @@ class CompiledGrammar:
     key: CacheKey
     lark_text: str
     tables: GrammarTables
-    mask_store: object  # syncode MaskStore
+    mask_store: object  # syncode MaskStore (None with dynamic lexing)
     token_bytes: list[bytes]  # token id -> bytes
     special_ids: frozenset[int]  # special tokens other than EOS: never allowed
     #: token id -> its bytes can start valid UTF-8 text (complete chars, maybe a truncated last
@@ -64,6 +65,10 @@ class CompiledGrammar:
     state_codes: dict[str, dict[object, int]]  # terminal -> DFA state -> int code
     ignore_whitespace: bool
     compile_seconds: float
+    #: "basic" (SynCode's lexer and mask store) or "dynamic" (Earley-style lexing, see
+    #: dynamic_lexing; chosen when terminals overlap, where the basic lexer is incomplete)
+    lexing: str = "basic"
+    dynamic: object = None  # dynamic_lexing.DynamicTables when lexing == "dynamic"
 
 
 _cache: dict[CacheKey, CompiledGrammar] = {}
@@ -88,7 +93,11 @@ def lark_text_of(grammar: Grammar) -> str:
         "xgrammar or outlines backend for JSON schemas and regexes", grammar_name=grammar.name)
 
 
-def cache_key(grammar: Grammar, tokenizer, lark_text: str | None = None) -> CacheKey:
+LEXING_MODES = ("auto", "basic", "dynamic")
+
+
+def cache_key(grammar: Grammar, tokenizer, lark_text: str | None = None,
+              lexing: str = "auto") -> CacheKey:
     """What a compiled mask store depends on: tokenizer content, grammar, SynCode version."""
     import hashlib
 
@@ -96,13 +105,19 @@ def cache_key(grammar: Grammar, tokenizer, lark_text: str | None = None) -> Cach
     return CacheKey(tokenizer_sha256=TokenizerIdentity.of(tokenizer).sha256,
                     grammar_sha256=hashlib.sha256(text.encode()).hexdigest(),
                     syncode_version=syncode_version(), mode=MASK_STORE_MODE,
-                    vocab_len=len(tokenizer.get_vocab()))
+                    vocab_len=len(tokenizer.get_vocab()), lexing=lexing)
 
 
-def compile_grammar(grammar: Grammar, tokenizer) -> CompiledGrammar:
-    """Compile (or fetch from the in-memory cache) ``grammar`` for ``tokenizer``."""
+def compile_grammar(grammar: Grammar, tokenizer, lexing: str = "auto") -> CompiledGrammar:
+    """Compile (or fetch from the in-memory cache) ``grammar`` for ``tokenizer``.
+
+    ``lexing``: "basic" (SynCode's own lexer and mask store), "dynamic" (Earley-style, every
+    expected terminal at its longest match) or "auto": basic unless two terminals overlap.
+    """
+    if lexing not in LEXING_MODES:
+        raise ValueError(f"lexing must be one of {LEXING_MODES}, not {lexing!r}")
     lark_text = lark_text_of(grammar)
-    key = cache_key(grammar, tokenizer, lark_text)
+    key = cache_key(grammar, tokenizer, lark_text, lexing)
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None:
@@ -128,6 +143,11 @@ def _build(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey) -> Compil
     if tokenizer.eos_token_id is None:
         raise VocabMismatchError("the syncode backend needs a tokenizer with an EOS token")
     base_parser = _lalr_parser(grammar, lark_text, mods)
+    if key.lexing != "basic":
+        dynamic = _build_dynamic(grammar, lark_text, tokenizer, key, base_parser, mods,
+                                 started, force=key.lexing == "dynamic")
+        if dynamic is not None:
+            return dynamic
     try:
         store = mods["syncode.mask_store.mask_store"].MaskStore(
             base_parser.terminals, tokenizer, simplifications={}, indent=False,
@@ -152,6 +172,35 @@ def _build(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey) -> Compil
                            state_codes=_state_codes(tables),
                            ignore_whitespace=store._ignore_whitespace,
                            compile_seconds=time.perf_counter() - started)
+
+
+def _build_dynamic(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey, base_parser,
+                   mods, started: float, force: bool) -> CompiledGrammar | None:
+    """The dynamic-lexing compilation, or None when ``auto`` finds the basic lexer exact."""
+    from .dynamic_lexing import DynamicTables, basic_lexer_is_exact
+
+    try:
+        fsm_set = mods["syncode.mask_store.fsm_set"].FSMSet(base_parser.terminals, {})
+    except Exception as exc:  # interegular cannot build a DFA (lookarounds, backrefs, ...)
+        raise UnsupportedGrammarError(f"SynCode cannot build terminal DFAs: {exc}",
+                                      grammar_name=grammar.name,
+                                      line=_line_of_terminal(lark_text, str(exc))) from exc
+    tables = GrammarTables.build(base_parser, fsm_set)
+    if not force and basic_lexer_is_exact(tables):
+        return None
+    vocab = tokenizer.get_vocab()
+    byte_tok = mods["syncode.mask_store.byte_tokenizer"].ByteTokenizer(tokenizer)
+    token_bytes = [byte_tok.vocab_byte.get(i, b"") for i in range(len(vocab))]
+    eos = tokenizer.eos_token_id
+    special = frozenset(int(i) for i in tokenizer.all_special_ids if i != eos)
+    utf8_clean = np.array([utf8_prefix_ok(b) for b in token_bytes], dtype=np.bool_)
+    return CompiledGrammar(
+        key=key, lark_text=lark_text, tables=tables, mask_store=None, token_bytes=token_bytes,
+        special_ids=special, utf8_clean=utf8_clean,
+        tab_tokens=np.zeros(len(token_bytes), dtype=np.bool_), inside_lexeme={},
+        span_candidates={}, state_codes=_state_codes(tables), ignore_whitespace=False,
+        compile_seconds=time.perf_counter() - started, lexing="dynamic",
+        dynamic=DynamicTables(tables, token_bytes, special | {eos}))
 
 
 def _lalr_parser(grammar: Grammar, lark_text: str, mods):

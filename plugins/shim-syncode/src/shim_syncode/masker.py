@@ -19,6 +19,7 @@ from shim_adapters.protocol import Masker, MaskerState, StateFeatures
 
 from ._syncode_import import syncode_version
 from .compiled import CompiledGrammar, compile_grammar, utf8_prefix_ok
+from .dynamic_lexing import DynamicLexParser
 from .frontier_parser import FrontierParser, NonViableText
 from .plugin import FEATURE_STATUS
 
@@ -30,7 +31,7 @@ class SyncodeMasker(Masker):
     feature_status = FEATURE_STATUS
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None,
-                 memoize_masks: bool = True):
+                 memoize_masks: bool = True, lexing: str = "auto"):
         self.grammar = grammar
         self.tokenizer = tokenizer
         self.backend_version = syncode_version()
@@ -39,7 +40,7 @@ class SyncodeMasker(Masker):
             raise VocabMismatchError(
                 f"logit width {width} is smaller than the tokenizer's {len(tokenizer)} tokens")
         self.vocab_size = width
-        self.compiled: CompiledGrammar = compile_grammar(grammar, tokenizer)
+        self.compiled: CompiledGrammar = compile_grammar(grammar, tokenizer, lexing)
         self.eos_token_ids = frozenset({int(tokenizer.eos_token_id)})
         n = len(self.compiled.token_bytes)
         self._always_off = np.zeros(width, dtype=np.bool_)
@@ -53,6 +54,8 @@ class SyncodeMasker(Masker):
         self._memo_limit = max(256, (64 << 20) // max(width, 1))
 
     def new_state(self) -> "SyncodeMaskerState":
+        if self.compiled.dynamic is not None:
+            return SyncodeMaskerState(self, DynamicLexParser(self.compiled.dynamic))
         return SyncodeMaskerState(self, FrontierParser(self.compiled.tables,
                                                        self.compiled.ignore_whitespace))
 
@@ -60,7 +63,7 @@ class SyncodeMasker(Masker):
 class SyncodeMaskerState(MaskerState):
     """One sequence: its own parser, token list and cached mask. Not thread-safe; fork instead."""
 
-    def __init__(self, masker: SyncodeMasker, parser: FrontierParser):
+    def __init__(self, masker: SyncodeMasker, parser: FrontierParser | DynamicLexParser):
         self.masker = masker
         self._parser = parser
         self._token_ids: list[int] = []
@@ -87,7 +90,7 @@ class SyncodeMaskerState(MaskerState):
             return
         try:
             result = self._parser.feed(self.masker.compiled.token_bytes[token_id])
-            problem = None if self._parser.is_valid_prefix() else (
+            problem = None if self._dynamic or self._parser.is_valid_prefix() else (
                 f"remainder {result.remainder!r} is no prefix of an acceptable terminal")
         except NonViableText as exc:
             problem = str(exc)
@@ -108,8 +111,24 @@ class SyncodeMaskerState(MaskerState):
         other._broken = self._broken
         return other
 
+    @property
+    def _dynamic(self) -> bool:
+        return isinstance(self._parser, DynamicLexParser)
+
     def features(self) -> StateFeatures:
         parser = self._parser
+        if self._dynamic:
+            codes = self.masker.compiled.state_codes
+            names = self.masker.compiled.tables.state_names
+            stack = parser.main_stack()
+            return StateFeatures(
+                parser_state=tuple(str(names[s]) for s in reversed(stack)),
+                lexer_state=frozenset((item[1], codes[item[1]][item[2]])
+                                      for item in parser.items),
+                partial_lexeme=parser.partial_lexeme().decode("utf-8", errors="replace"),
+                extra={"stack_depth": len(stack), "readings": len(parser.items),
+                       "lexing": "dynamic"},
+            )
         stack = parser.current_stack
         codes = self.masker.compiled.state_codes
         names = self.masker.compiled.tables.state_names
@@ -156,6 +175,8 @@ class SyncodeMaskerState(MaskerState):
         if self._finished or self._broken is not None:
             return out
         parser = self._parser
+        if self._dynamic:
+            return self._compute_dynamic_mask(out)
         result = parser.result
         store = masker.compiled.mask_store
         allowed = store._lookup_next_tokens(parser.remainder_fsm_states, result.remainder_state,
@@ -193,15 +214,34 @@ class SyncodeMaskerState(MaskerState):
             out[i] = eos
         return out
 
+    def _compute_dynamic_mask(self, out: np.ndarray) -> np.ndarray:
+        masker, parser = self.masker, self._parser
+        compiled = masker.compiled
+        n = len(compiled.token_bytes)
+        out[:n] = parser.mask()
+        out[masker._always_off] = False
+        pending = parser.pending_bytes
+        if not pending:
+            out[:n] &= compiled.utf8_clean
+        else:  # mid-character: keep the tokens that continue it validly
+            token_bytes = compiled.token_bytes
+            for i in np.flatnonzero(out[:n]):
+                out[i] = utf8_prefix_ok(pending + token_bytes[i])
+        eos = parser.accepts_end
+        for i in masker.eos_token_ids:
+            out[i] = eos
+        return out
+
 
 def compile_masker(grammar: Grammar, tokenizer, vocab_size: int | None = None,
                    **options) -> SyncodeMasker:
     """The backend's ``create_masker``. SynCode's ``grammar_mask`` mode is refused (unsound)."""
     mode = options.pop("mode", "grammar_strict")
     memoize = bool(options.pop("memoize_masks", True))
+    lexing = options.pop("lexing", "auto")
     if mode != "grammar_strict":
         raise ValueError(f"syncode mode {mode!r} is not supported: grammar_mask allows invalid "
                          "tokens and then stops constraining; only grammar_strict is sound")
     if options:
         raise TypeError(f"unknown syncode options: {sorted(options)}")
-    return SyncodeMasker(grammar, tokenizer, vocab_size, memoize_masks=memoize)
+    return SyncodeMasker(grammar, tokenizer, vocab_size, memoize_masks=memoize, lexing=lexing)
