@@ -91,12 +91,8 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
               "| case | \\|S\\| | " + " | ".join(kl_methods) + " |",
               "|---|---:|" + "---:|" * len(kl_methods)]
     for case in r.cases:
-        cells = []
-        for m in kl_methods:
-            k = _kl(case, m)
-            cells.append("—" if not k else f"{_fmt(k['kl'])} [{_fmt(k['ci_low'])}, "
-                                           f"{_fmt(k['ci_high'])}]")
-        lines.append(f"| {case['name']} | {case['support']['size']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {case['name']} | {case['support']['size']} | "
+                     + _ci_cells(case, kl_methods, _kl, 4) + " |")
     lines += ["", "### KL of masking divided by KL of each method (>1: the method is closer to "
               "the target)", "",
               "| case | " + " | ".join(m for m in kl_methods if m != "masking") + " |",
@@ -248,6 +244,16 @@ def _lang(case: dict, method: str) -> dict | None:
     return case["methods"].get(method, {}).get("language_kl")
 
 
+def _ci_cells(case: dict, methods: list[str], getter, digits: int) -> str:
+    """``value [low, high]`` per method, joined as markdown cells."""
+    cells = []
+    for m in methods:
+        k = getter(case, m)
+        cells.append("—" if not k else f"{_fmt(k['kl'], digits)} [{_fmt(k['ci_low'], digits)}, "
+                                       f"{_fmt(k['ci_high'], digits)}]")
+    return " | ".join(cells)
+
+
 def _language_kl_tables(r, kl_methods: list[str]) -> list[str]:
     """The whole-language KL and each method's paired difference to masking."""
     if not any(_lang(c, m) for c in r.cases for m in kl_methods):
@@ -256,13 +262,9 @@ def _language_kl_tables(r, kl_methods: list[str]) -> list[str]:
              "CI)", "", "| case | valid draws | " + " | ".join(kl_methods) + " |",
              "|---|---:|" + "---:|" * len(kl_methods)]
     for case in r.cases:
-        cells = []
-        for m in kl_methods:
-            k = _lang(case, m)
-            cells.append("—" if not k else f"{_fmt(k['kl'], 3)} [{_fmt(k['ci_low'], 3)}, "
-                                           f"{_fmt(k['ci_high'], 3)}]")
         n_valid = next((k["n_valid"] for m in kl_methods if (k := _lang(case, m))), "—")
-        lines.append(f"| {case['name']} | {n_valid} | " + " | ".join(cells) + " |")
+        lines.append(f"| {case['name']} | {n_valid} | " + _ci_cells(case, kl_methods, _lang, 3)
+                     + " |")
     others = [m for m in kl_methods if m != "masking"]
     if others:
         lines += ["", "### Language KL of each method minus masking's (paired per draw; "
