@@ -29,7 +29,7 @@ import torch
 from shim_adapters.controller import make_controller
 from shim_adapters.correction import ShimAdjuster
 from shim_adapters.evaluation.asap import run_asap
-from shim_adapters.evaluation.decoding import prefill
+from shim_adapters.sampling import prefill
 from shim_adapters.evaluation.metrics import kl_over_support
 from shim_adapters.evaluation.rejection import draw_lm_samples, rejection_sample
 from shim_adapters.evaluation.scoring import score_sequences

@@ -24,9 +24,9 @@ SPIDER = Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "spider
 
 
 def sample_outputs(lm, prompt: str, n: int, seed: int) -> list[list[int]]:
-    from shim_adapters.evaluation.decoding import decode, prefill
+    from shim_adapters.sampling import prefill, sample
 
-    batch = decode(prefill(lm, prompt), n, max_new_tokens=64,
+    batch = sample(prefill(lm, prompt), n, batch_size=n, max_new_tokens=64,
                    generator=torch.Generator().manual_seed(seed))
     eos = set(getattr(lm, "eos_token_ids", ()) or [lm.tokenizer.eos_token_id])
     outputs = []

@@ -15,7 +15,7 @@ EOS = 0
 
 @pytest.fixture(scope="module")
 def binary5(shipped_lm):
-    from shim_adapters.evaluation.decoding import prefill
+    from shim_adapters.sampling import prefill
     from shim_adapters.grammar import builtin_grammar
     from shim_adapters.plugins import get_backend
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.evaluation.decoding import decode, prefill
+from shim_adapters.sampling import prefill, sample
 from shim_adapters.evaluation.exact_language import enumerate_language
 from shim_adapters.evaluation.metrics import exact_kl, grouped_probabilities
 from shim_adapters.evaluation.rejection import draw_lm_samples, rejection_sample
@@ -94,7 +94,7 @@ def test_masked_sampling_and_asap_run_on_every_backend(shipped_lm, backend):
     spec = get_backend(backend)
     masker = spec.compile(grammar, shipped_lm.tokenizer, shipped_lm.vocab_size)
     pre = prefill(shipped_lm, grammar.default_prompt)
-    batch = decode(pre, 8, masker=masker, max_new_tokens=8,
+    batch = sample(pre, 8, masker=masker, max_new_tokens=8,
                    generator=torch.Generator().manual_seed(0))
     acceptor = reference_acceptor(grammar)
     assert all(batch.finished)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.evaluation.decoding import decode, prefill
+from shim_adapters.sampling import prefill, sample
 from shim_adapters.evaluation.lm_views import (gqa_without_copies, newline_token_ids,
                                                prompt_cached, stop_folded)
 from shim_adapters.evaluation.scoring import step_logprobs
@@ -31,13 +31,13 @@ def gqa_lm(shipped_lm):
 def test_shared_prefix_attention_matches_stock_attention(gqa_lm):
     prompt = "Write a SQL query:\n"
     stock = prefill(gqa_lm, prompt)
-    batch = decode(stock, 4, max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+    batch = sample(stock, 4, max_new_tokens=6, generator=torch.Generator().manual_seed(0))
     before = step_logprobs(stock, batch.token_ids)
     assert gqa_without_copies(gqa_lm)
     fast = prefill(gqa_lm, prompt)
     after = step_logprobs(fast, batch.token_ids)
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
-    again = decode(fast, 4, max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+    again = sample(fast, 4, max_new_tokens=6, generator=torch.Generator().manual_seed(0))
     assert again.token_ids == batch.token_ids
     np.testing.assert_allclose(np.concatenate(again.lm_logprobs),
                                np.concatenate(batch.lm_logprobs), atol=1e-4)

@@ -101,7 +101,7 @@ def test_bootstrap_targets_regress_on_the_next_step(masked):
 def test_targets_refuse_the_wrong_kind_of_data(shipped_lm, binary5, masked):
     lm_data = sample_training_data(shipped_lm, binary5, binary5.grammar.default_prompt, 20,
                                    seed=1, progress=False)
-    with pytest.raises(ValueError, match="masked completions"):
+    with pytest.raises(ValueError, match="masked or SHIM completions"):
         make_targets("rollout", lm_data)
     with pytest.raises(ValueError, match="unconstrained"):
         make_targets("final", masked)

@@ -193,5 +193,6 @@ def load_controller(directory: str | Path, masker: Masker, lm=None
                       ("contrast_gain_per_step_", "contrast_gain_per_step")):
         if key in training:
             setattr(controller, attr, training[key])
+    controller.prompting_ = dict(training.get("prompting", {}))  # chat, stop_at_newline
     controller._prepare()
     return controller, manifest

@@ -46,6 +46,9 @@ from .protocol import StateFeatures
 
 log = logging.getLogger(__name__)
 
+#: A held-out gain below this (nats per target sample) is noise whatever its SE says: the
+#: controller falls back to masking (a gain of 1e-7 ± 6e-8 once "passed" 1 SE).
+MIN_GAIN_NATS = 1e-3
 #: β values tried when fitting the damping exponent.
 DEFAULT_BETA_GRID = tuple(float(b) for b in np.round(np.arange(0.0, 3.0001, 0.05), 4))
 
@@ -84,7 +87,7 @@ class Controller:
     feature_groups: tuple[str, ...] = ("state", "token", "cross")
     kind: str = "controller"
 
-    def __init__(self, reg_grid: Sequence[float] = (0.01, 0.1, 1.0, 10.0),
+    def __init__(self, reg_grid: Sequence[float] = (0.01, 0.1, 1.0, 10.0, 100.0),
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
                  parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
                  min_gain_se: float = 1.0, min_target_samples: float = 10.0):
@@ -198,6 +201,11 @@ class Controller:
         if self.falls_back_to_masking_:
             best_b = 0  # no (significant) held-out gain over masking: do not re-weight at all
             log.warning("%s: %s", self.kind, self.decision_)
+        #: Per completion: held-out log q(x) under the chosen (reg, β) (cross-validated).
+        self.heldout_per_completion_ = per_completion[best_r, best_b].copy()
+        #: The chosen regularisation lies on an edge of ``reg_grid`` (widen it if it does).
+        self.reg_on_grid_edge_ = bool(len(self.reg_grid) > 1 and
+                                      best_r in (0, len(self.reg_grid) - 1))
         self.reg_ = float(self.reg_grid[best_r])
         self.beta_ = float(betas[best_b])
         self.cv_scores_ = scores
@@ -220,6 +228,21 @@ class Controller:
 
     def _eos_set(self) -> np.ndarray:
         return self.eos_token_ids_
+
+    def heldout_loglik(self, data, completions: np.ndarray,
+                       completion_weight: np.ndarray | None = None) -> np.ndarray:
+        """Per completion in ``completions``: log q_β(x) under this fitted controller (its
+        own β) over the steps of ``data`` that have a choice (forced steps add 0), the same
+        quantity as the cross-validated ``heldout_per_completion_``, for data it never saw."""
+        from .targets import target_weights
+
+        cw = target_weights(data) if completion_weight is None else completion_weight
+        encoded = [self.encoder_.encode_state(s) for s in data.states]
+        contrast = _ContrastSet.from_data(data, self.encoder_, encoded, self._eos_set(),
+                                          completion_weight=cw)
+        completions = np.asarray(completions)
+        return contrast.loglik_per_completion(lambda X: self._logits(self.weights_, X),
+                                              np.array([self.beta_]), completions)[0]
 
     def _record_heldout(self, per_completion: np.ndarray, cw: np.ndarray, betas: np.ndarray,
                         best_r: int, best_b: int) -> None:
@@ -260,11 +283,12 @@ class Controller:
                               f"samples (needs >= {self.min_target_samples:g}; best β "
                               f"{betas[best_b]:g} would gain {gain:.3g} ± {se:.3g} nats); "
                               f"falling back to β=0 (plain masking)")
-        elif best_b == 0 or not gain > self.min_gain_se * se:
+        elif best_b == 0 or not gain > max(self.min_gain_se * se, MIN_GAIN_NATS):
             self.falls_back_to_masking_ = True
             self.decision_ = (f"correction does not help on held-out completions (best β "
                               f"{betas[best_b]:g} gains {gain:.3g} ± {se:.3g} nats per target "
-                              f"sample, needs > {self.min_gain_se:g} SE); falling back to β=0 "
+                              f"sample, needs > {self.min_gain_se:g} SE and > "
+                              f"{MIN_GAIN_NATS:g}); falling back to β=0 "
                               f"(plain masking)")
         else:
             self.falls_back_to_masking_ = False
@@ -396,7 +420,8 @@ class Controller:
                 "heldout_kl_gain_se": getattr(self, "heldout_kl_gain_se_", None),
                 "heldout_effective_samples": getattr(self, "heldout_effective_samples_", None),
                 "falls_back_to_masking": getattr(self, "falls_back_to_masking_", None),
-                "decision": getattr(self, "decision_", None)}
+                "decision": getattr(self, "decision_", None),
+                "reg_on_grid_edge": getattr(self, "reg_on_grid_edge_", None)}
 
 
 class _LogisticBase(Controller):
@@ -634,55 +659,9 @@ def reliability_table(y: np.ndarray, p: np.ndarray, n_bins: int = 10) -> list[di
 
 
 def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
-                   n_samples: int = 1000, *, output_dir=None, data=None,
-                   max_new_tokens: int = 128, seed: int = 0, progress: bool = True,
-                   target: str = "final", bootstrap_rounds: int = 1,
-                   **controller_params) -> tuple[Controller, dict[str, Any]]:
-    """Sample training data (unless ``data`` is given), fit a controller, build its manifest.
+                   n_samples: int = 1000, **kwargs) -> tuple[Controller, dict[str, Any]]:
+    """Sample, fit and (optionally) save a controller: see
+    :func:`shim_adapters.fitting.fit_controller` (kept here, where users import it from)."""
+    from .fitting import fit_controller as fit
 
-    ``lm`` is a :class:`shim_adapters.lm.LoadedLM`; ``prompt`` defaults to the grammar's
-    built-in prompt. With ``output_dir`` the artefact is also written there (and the returned
-    manifest is the one on disk, checksums included).
-
-    ``target`` picks the training labels (:mod:`shim_adapters.targets`): ``"final"`` (the
-    paper's 0/1 validity of unconstrained completions), ``"rollout"`` (masked completions, soft
-    labels ∏ Z of the later steps) or ``"bootstrap"`` (rollout, then ``bootstrap_rounds`` of
-    fitted value iteration). The last two sample masked completions. When the correction does not
-    beat masking on held-out completions the controller falls back to β = 0 and says so (a
-    warning on the ``shim_adapters.controller`` logger, ``controller.decision_`` and the
-    manifest's ``training.decision``).
-    """
-    from .artefact import build_manifest, save_controller
-    from .targets import TARGET_KINDS, make_targets
-    from .training_data import sample_training_data
-
-    if target not in TARGET_KINDS:
-        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGET_KINDS)}")
-
-    if prompt is None:
-        prompt = masker.grammar.default_prompt
-        if prompt is None:
-            raise ValueError(f"grammar {masker.grammar.name!r} has no default prompt: pass "
-                             f"prompt=")
-    if data is None:
-        data = sample_training_data(lm, masker, prompt, n_samples, max_new_tokens=max_new_tokens,
-                                    seed=seed, progress=progress,
-                                    proposal="lm" if target == "final" else "masked")
-    targets = make_targets(target, data, lambda: make_controller(kind, **controller_params),
-                           rounds=bootstrap_rounds)
-    controller = make_controller(kind, **controller_params).fit(
-        targets.data, y=targets.y, completion_weight=targets.completion_weight)
-    controller.target_ = target
-    keys = ("n_samples", "n_rows", "n_states", "valid_fraction", "truncated",
-            "masker_rejected_valid", "masker_accepted_invalid", "sampling", "sample_seconds")
-    training = {f"data_{k}": data.manifest[k] for k in keys if k in data.manifest}
-    training["target"] = target
-    training["target_effective_samples"] = targets.effective_target_samples
-    if target == "bootstrap":
-        training["bootstrap_rounds"] = bootstrap_rounds
-    if output_dir is not None:
-        manifest = save_controller(output_dir, controller, masker, lm, prompt=prompt,
-                                   training=training)
-    else:
-        manifest = build_manifest(controller, masker, lm, prompt=prompt, training=training)
-    return controller, manifest
+    return fit(lm, masker, prompt, kind, n_samples, **kwargs)

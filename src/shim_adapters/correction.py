@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .controller import Controller
-from .generation import MaskedGeneration, MaskedLogitsProcessor, generate_masked
+from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generation
 from .protocol import Masker, MaskerState
 
 
@@ -44,10 +44,28 @@ class ShimLogitsProcessor(MaskedLogitsProcessor):
 
 def sample_with_shim(lm, masker: Masker, controller: Controller | None, prompt: str,
                      num_samples: int, *, max_new_tokens: int = 128, seed: int | None = None,
-                     **generate_kwargs) -> MaskedGeneration:
+                     chat: bool | None = None, stop_at_newline: bool | None = None,
+                     batch_size: int = 64) -> MaskedGeneration:
     """Sample ``num_samples`` constrained completions, SHIM-corrected (plain masking when
-    ``controller`` is None). ``lm`` is a :class:`shim_adapters.lm.LoadedLM`."""
+    ``controller`` is None). ``lm`` is a :class:`shim_adapters.lm.LoadedLM`. ``chat`` and
+    ``stop_at_newline`` default to what the controller was fitted with (its manifest's
+    ``training.prompting``), else False: the controller is only valid for the same LM view."""
+    import torch
+
+    from .evaluation.lm_views import stop_folded
+    from .prompting import prefill_prompt
+    from .sampling import sample
+
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    fitted = getattr(controller, "prompting_", {}) or {}
+    chat = bool(fitted.get("chat", False)) if chat is None else chat
+    fold = bool(fitted.get("stop_at_newline", False)) if stop_at_newline is None \
+        else stop_at_newline
+    if fold:
+        lm = stop_folded(lm, masker.eos_token_ids)
     adjuster = ShimAdjuster(controller) if controller is not None else None
-    return generate_masked(lm.model, lm.tokenizer, masker, prompt, num_samples,
-                           max_new_tokens=max_new_tokens, adjuster=adjuster, seed=seed,
-                           **generate_kwargs)
+    drawn = sample(prefill_prompt(lm, prompt, chat), num_samples, masker=masker,
+                   adjuster=adjuster, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                   generator=None if seed is None else torch.Generator().manual_seed(seed))
+    return masked_generation(drawn)

@@ -111,33 +111,33 @@ class MaskedGeneration:
 
     texts: list[str]
     token_ids: list[list[int]]
-    #: True where the grammar accepted and EOS was emitted; False: hit max_new_tokens first.
+    #: True where the grammar accepted and EOS was emitted; False: the sample is *incomplete*
+    #: (it hit max_new_tokens first) and is not a string of the language.
     complete: list[bool]
     states: list[MaskerState]
 
 
 def generate_masked(model, tokenizer, masker: Masker, prompt: str, num_samples: int, *,
                     max_new_tokens: int = 128, adjuster: LogitAdjuster | None = None,
-                    seed: int | None = None, **generate_kwargs) -> MaskedGeneration:
-    """Sample ``num_samples`` constrained completions of ``prompt`` in one batch."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    states = [masker.new_state() for _ in range(num_samples)]
-    processor = MaskedLogitsProcessor(states, adjuster=adjuster)
-    encoded = tokenizer([prompt] * num_samples, return_tensors="pt")
-    eos = sorted(masker.eos_token_ids)
-    kwargs = dict(FAITHFUL_SAMPLING, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                  pad_token_id=eos[0], logits_processor=[processor])
-    kwargs.update(generate_kwargs)
-    with torch.no_grad():
-        out = model.generate(**encoded, **kwargs)
-    processor._sync(out)  # consume the final token of every row
-    prompt_len = encoded["input_ids"].shape[1]
-    token_ids = [[t for t in s.token_ids] for s in states]
-    del out, prompt_len
-    return MaskedGeneration(
-        texts=[s.text() for s in states],
-        token_ids=token_ids,
-        complete=[s.is_finished for s in states],
-        states=states,
-    )
+                    seed: int | None = None, batch_size: int = 64) -> MaskedGeneration:
+    """Sample ``num_samples`` constrained completions of ``prompt`` with the sampling engine
+    (:mod:`shim_adapters.sampling`: one prefill, batched, the LM as it is otherwise)."""
+    from .lm import LoadedLM, eos_token_ids
+    from .sampling import prefill, sample
+
+    lm = LoadedLM(model=model, tokenizer=tokenizer,
+                  identifier=str(getattr(model, "name_or_path", type(model).__name__)),
+                  revision="", vocab_size=masker.vocab_size,
+                  eos_token_ids=eos_token_ids(model, tokenizer))
+    return masked_generation(sample(
+        prefill(lm, prompt), num_samples, masker=masker, adjuster=adjuster,
+        max_new_tokens=max_new_tokens, batch_size=batch_size,
+        generator=None if seed is None else torch.Generator().manual_seed(seed)))
+
+
+def masked_generation(samples) -> MaskedGeneration:
+    """The user-facing view of a masked :class:`~shim_adapters.sampling.Samples`."""
+    return MaskedGeneration(texts=[s.text() for s in samples.states],
+                            token_ids=[list(s.token_ids) for s in samples.states],
+                            complete=[bool(f) for f in samples.finished],
+                            states=list(samples.states))

@@ -125,7 +125,7 @@ def exact_samples(lm, masker: Masker, controller, prompt: str, n: int, method: s
     ``method="imh"`` runs an independence Metropolis-Hastings chain over ``n_proposals``
     (default ``n``) proposals and returns its last ``n`` states."""
     from .correction import ShimAdjuster
-    from .evaluation.decoding import decode, prefill
+    from .sampling import prefill, sample
     from .evaluation.scoring import score_sequences
 
     if method not in (SIR, IMH):
@@ -142,7 +142,7 @@ def exact_samples(lm, masker: Masker, controller, prompt: str, n: int, method: s
     proposals: list[list[int]] = []
     while len(proposals) < m:
         b = min(batch_size, m - len(proposals))
-        batch = decode(prefilled, b, masker=masker, adjuster=adjuster,
+        batch = sample(prefilled, b, masker=masker, adjuster=adjuster, batch_size=b,
                        max_new_tokens=max_new_tokens, generator=gen)
         proposals.extend(batch.token_ids)
     sample_seconds = time.perf_counter() - start

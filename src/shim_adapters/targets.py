@@ -1,22 +1,26 @@
-"""Training targets for γ̂: the paper's 0/1 final validity, and two lower-variance soft targets.
+"""Training targets for γ̂: labels for every row, from any proposal, and weights as target samples.
 
-With V(h) = P(the LM's continuation of prefix h ends in L) and Z(h) = the LM mass of the tokens
-the masker allows at h, SHIM's controller estimates γ(t | h) = V(h·t). Three targets:
+With V(h) = P(the LM's continuation of prefix h ends in L), SHIM's controller estimates
+γ(t | h) = V(h·t). For a completion x drawn from any proposal q (the LM itself, masking, SHIM,
+a mixture), the row at step i gets the label 1[x in L]·∏_{j>i} p(x_j | x<j) / q(x_j | x<j): an
+unbiased estimate of V(x<i·x_i) (DESIGN.md section 2). The ratio is read off the rows
+(``row_lm_logprob`` against ``row_proposal_logprob``), so nothing is re-scored. Three kinds:
 
-- ``"final"`` (paper): unconstrained completions, every row labelled 1 if the finished output is
-  in L, else 0. Unbiased for V(h·t), but a single Bernoulli outcome of the whole future.
-- ``"rollout"``: *masked* completions. Along a masked path the probability is p(x)/∏ Z, so
-  V(h·t) = E_masked[∏_{j>i} Z(x<j)] (DESIGN.md section 2): each row's soft label is the product of
-  the allowed masses at the later steps of its own completion, in (0, 1]. Masked samples are
-  always valid, and the rows are exactly the states masked decoding visits.
-- ``"bootstrap"``: fitted value iteration on the same masked rows. V(h·t) = Σ_{t'} p(t'|h·t)·
-  V(h·t·t') over the allowed t' at the next step, so the controller is regressed onto the
-  allowed-mass-weighted γ̂ of the next step (its own estimate), starting from the rollout fit.
-  The target no longer depends on which next token was sampled.
+- ``"final"`` (paper): unconstrained completions (q = p): the label is 0/1 final validity. It
+  needs valid unconstrained draws, which a rarely-valid LM does not produce.
+- ``"rollout"``: valid-only proposals (masked or SHIM completions: always in L). For masking
+  p/q = Z, the allowed mass, so the label is ∏ Z over the later steps, in (0, 1]; for SHIM the
+  ratio can exceed 1 and the label is clipped at 1 (V ≤ 1; ``Targets.clipped_fraction``).
+  Every row carries a soft label and no valid unconstrained completion is needed.
+- ``"bootstrap"``: fitted value iteration on the rows of masked data. V(h·t) = Σ_{t'}
+  p(t'|h·t)·V(h·t·t') over the allowed t' at the next step, so the controller is regressed onto
+  the allowed-mass-weighted γ̂ of the next step, starting from the rollout fit.
 
-Masked completions are not samples of the target p(x | G); as samples of it their importance
-weight is p(x)·1[x in L] / q_mask(x) ∝ ∏_i Z(x<i) (:func:`target_weights`), which the held-out
-β criterion uses so that it stays an estimate of KL(target || q_β).
+Completions that hit ``max_new_tokens`` are not in the (length-bounded) language: label 0.
+As samples of the target p(x | G) a completion's importance weight is 1[x in L]·p(x)/q(x)
+(:func:`target_weights`), the same scale for every proposal (it estimates P(L)), so data pooled
+from several proposals (:func:`~shim_adapters.training_data.concat_training_data`) keeps one
+consistent held-out criterion.
 """
 
 from __future__ import annotations
@@ -28,16 +32,32 @@ import numpy as np
 
 #: The target kinds :func:`make_targets` (and ``fit_controller(target=...)``) accept.
 TARGET_KINDS = ("final", "rollout", "bootstrap")
+#: Proposals that only emit strings of L (a masker's guarantee).
+VALID_ONLY_PROPOSALS = ("masked", "shim")
 
 
 def proposal_of(data) -> str:
-    """``"lm"`` (unconstrained) or ``"masked"``: how the data's completions were sampled."""
+    """How the data's completions were sampled (``lm``, ``masked``, ``shim`` or a mix)."""
     return str(data.manifest.get("sampling", {}).get("proposal", "lm"))
+
+
+def _proposal_parts(data) -> set[str]:
+    return set(proposal_of(data).split("+"))
 
 
 def _row_order(data) -> np.ndarray:
     """Rows sorted by (completion, step): each completion's rows become one ordered run."""
     return np.lexsort((data.row_step, data.row_completion))
+
+
+def _row_log_ratio(data) -> np.ndarray:
+    return data.row_lm_logprob.astype(np.float64) - data.row_proposal_logprob.astype(np.float64)
+
+
+def completion_log_ratio(data) -> np.ndarray:
+    """Σ log p/q over each completion's replayed rows (for masking: log ∏ Z)."""
+    return np.bincount(data.row_completion, weights=_row_log_ratio(data),
+                       minlength=data.n_completions)
 
 
 def completion_log_z(data) -> np.ndarray:
@@ -46,38 +66,41 @@ def completion_log_z(data) -> np.ndarray:
                        minlength=data.n_completions)
 
 
-def rollout_labels(data) -> np.ndarray:
-    """Per row: ∏ Z over the *later* rows of its completion (1 at the last row, EOS).
-
-    An unbiased estimate of V(h·t) when the completions are masked samples that reached EOS;
-    rows of a truncated completion (no EOS) get NaN -- their future is unknown."""
+def suffix_log_ratio(data) -> np.ndarray:
+    """Per row: Σ log p/q over the *later* rows of its completion (0 at the last row)."""
     order = _row_order(data)
     comp = data.row_completion[order]
-    logz = data.row_log_z[order].astype(np.float64)
-    # suffix sums within each completion, excluding the row itself
-    total = np.bincount(comp, weights=logz, minlength=data.n_completions)
-    inclusive = np.cumsum(logz)
+    r = _row_log_ratio(data)[order]
+    total = np.bincount(comp, weights=r, minlength=data.n_completions)
+    inclusive = np.cumsum(r)
     start = np.searchsorted(comp, comp, side="left")
-    before = inclusive - logz - np.where(start > 0, inclusive[start - 1], 0.0)
-    later = total[comp] - before - logz
-    y = np.empty(data.n_rows)
-    y[order] = np.exp(np.minimum(later, 0.0))
-    y[data.truncated[data.row_completion]] = np.nan
-    return y
+    before = inclusive - r - np.where(start > 0, inclusive[start - 1], 0.0)
+    out = np.empty(data.n_rows)
+    out[order] = total[comp] - before - r
+    return out
+
+
+def importance_labels(data) -> tuple[np.ndarray, float]:
+    """Per row: 1[x in L]·∏_{later steps} p/q, clipped at 1; and the fraction clipped."""
+    raw = np.exp(np.minimum(suffix_log_ratio(data), 50.0))
+    raw = np.where(np.asarray(data.valid, dtype=bool)[data.row_completion], raw, 0.0)
+    clipped = float(np.mean(raw > 1.0 + 1e-6)) if raw.size else 0.0
+    return np.minimum(raw, 1.0), clipped
+
+
+def rollout_labels(data) -> np.ndarray:
+    """Per row of valid-only data: the importance label (∏ Z of the later steps for masking)."""
+    return importance_labels(data)[0]
 
 
 def target_weights(data) -> np.ndarray:
-    """Per completion: its weight as a sample of the target p(x | G) (held-out criterion).
-
-    Unconstrained samples: 1 if valid, else 0. Masked samples: ∏ Z (p(x)/q_mask(x) up to the
-    constant V(root)), scaled so the largest weight is 1; 0 if not valid."""
+    """Per completion: its weight as a sample of the target p(x | G) (held-out criterion):
+    1[x in L]·p(x)/q(x), scaled so that the largest weight is 1 (1/0 for unconstrained data)."""
     valid = np.asarray(data.valid, dtype=bool)
-    if proposal_of(data) != "masked":
-        return valid.astype(np.float64)
-    lz = completion_log_z(data)
     if not valid.any():
         return np.zeros(data.n_completions)
-    w = np.exp(lz - lz[valid].max())
+    lw = completion_log_ratio(data)
+    w = np.exp(lw - lw[valid].max())
     return np.where(valid, w, 0.0)
 
 
@@ -118,9 +141,11 @@ class Targets:
     """What a controller is fitted on: the rows, their labels and completion weights."""
 
     kind: str
-    data: object  #: TrainingData (truncated masked completions dropped)
+    data: object  #: TrainingData
     y: np.ndarray  #: one label in [0, 1] per row
     completion_weight: np.ndarray  #: per completion, for the held-out criterion
+    #: Fraction of rows whose importance label exceeded 1 and was clipped (SHIM proposals).
+    clipped_fraction: float = 0.0
 
     @property
     def effective_target_samples(self) -> float:
@@ -131,27 +156,27 @@ def make_targets(kind: str, data, make_controller: Callable[[], object] | None =
                  rounds: int = 1) -> Targets:
     """Labels of ``kind`` (``"final"``, ``"rollout"``, ``"bootstrap"``) for ``data``.
 
-    ``final`` needs unconstrained data; ``rollout`` and ``bootstrap`` need masked data
-    (``sample_training_data(..., proposal="masked")``). ``bootstrap`` fits
+    ``final`` needs unconstrained data; ``rollout`` needs data from valid-only proposals
+    (masked or SHIM completions, or a pool of them); ``bootstrap`` needs masked data and fits
     ``make_controller()`` ``rounds`` times, each on the previous round's next-step values.
     """
     if kind not in TARGET_KINDS:
         raise ValueError(f"unknown target {kind!r}; choose one of {', '.join(TARGET_KINDS)}")
-    proposal = proposal_of(data)
+    parts = _proposal_parts(data)
     if kind == "final":
-        if proposal != "lm":
+        if parts != {"lm"}:
             raise ValueError("the 'final' target labels unconstrained completions by their "
-                             f"validity; this data was sampled with proposal={proposal!r}")
+                             f"validity; this data was sampled with proposal={proposal_of(data)!r}")
         return Targets(kind, data, np.asarray(data.row_label, dtype=np.float64),
                        target_weights(data))
-    if proposal != "masked":
-        raise ValueError(f"the {kind!r} target needs masked completions "
+    if not parts <= set(VALID_ONLY_PROPOSALS):
+        raise ValueError(f"the {kind!r} target needs masked or SHIM completions "
                          f"(sample_training_data(..., proposal='masked')); this data was sampled "
-                         f"with proposal={proposal!r}")
-    keep = np.flatnonzero(~np.asarray(data.truncated, dtype=bool))
-    if len(keep) < data.n_completions:
-        data = data.subset(keep)
-    y = rollout_labels(data)
+                         f"with proposal={proposal_of(data)!r}")
+    if kind == "bootstrap" and parts != {"masked"}:
+        raise ValueError("the 'bootstrap' target regresses on masked completions only "
+                         f"(proposal='masked'); this data is {proposal_of(data)!r}")
+    y, clipped = importance_labels(data)
     weights = target_weights(data)
     if kind == "bootstrap":
         if make_controller is None:
@@ -162,4 +187,4 @@ def make_targets(kind: str, data, make_controller: Callable[[], object] | None =
         for _ in range(rounds):
             current = make_controller().fit(data, y=y, completion_weight=weights)
             y = next_value(current, data, fallback=y)
-    return Targets(kind, data, y, weights)
+    return Targets(kind, data, y, weights, clipped)

@@ -1,19 +1,19 @@
-"""SHIM's training data: unconstrained LM completions replayed through a masker.
+"""SHIM's training data: LM completions replayed through a masker, one row per token.
 
-:func:`sample_training_data` draws N completions of a prompt from the LM as it is (temperature
-1, top-p 1, no top-k; own KV-cache loop), records each sampled token's exact log-probability,
-and replays every completion through ``masker.new_state()`` *as it is sampled*: one row per
-generated token holds the state features before the token, the token, the LM log-probability
-of the token, the log LM mass ``log Z`` of the tokens the masker allows there, and the allowed
-set itself with the LM's log-probabilities (needed to score the per-step distribution that SHIM
-renormalises, and for masked-rollout soft targets: DESIGN.md section 2). A completion's rows
-stop at the first token the masker rejects.
+:func:`sample_training_data` draws N completions of a prompt with the sampling engine
+(:mod:`shim_adapters.sampling`): unconstrained (the paper's recipe), masked, or SHIM-corrected.
+One row per generated token holds the state features before the token, the token, the LM's
+exact log-probability of it, the log LM mass ``log Z`` of the tokens the masker allows there,
+the token's log-probability under the proposal it was drawn from, and the allowed set with the
+LM's log-probabilities (needed to score the per-step distribution that SHIM renormalises).
+An unconstrained completion's rows stop at the first token the masker rejects.
 
-Every row carries its completion's label: 1 when the finished output is a string of the
+Every row carries its completion's 0/1 label: 1 when the finished output is a string of the
 language -- the reference acceptor (never the masker) accepts its text *and* the masker
 consumed it up to EOS, so it is reachable by masked decoding -- else 0. A completion cut by
 ``max_new_tokens`` is invalid. Disagreements between masker and reference are counted in the
 manifest (``masker_rejected_valid``, ``masker_accepted_invalid``) since they are backend bugs.
+Soft labels for valid-only proposals are computed from the rows by :mod:`shim_adapters.targets`.
 
 On disk (:meth:`TrainingData.save`): a directory with ``training_data.safetensors`` (flat
 arrays; ragged ones as ``values`` + ``offsets`` pairs) and ``training_data.json`` (manifest,
@@ -32,14 +32,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
-from transformers import DynamicCache
 
-from .errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
+from .errors import VocabMismatchError
 from .features import canonical_value, state_key
 from .protocol import FEATURE_NAMES, Masker, StateFeatures
 from .reference import reference_acceptor
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TENSORS_FILE = "training_data.safetensors"
 MANIFEST_FILE = "training_data.json"
 
@@ -78,6 +77,8 @@ class TrainingData:
     row_token: np.ndarray  #: int32
     row_lm_logprob: np.ndarray  #: float32, log p(token | prefix)
     row_log_z: np.ndarray  #: float32, log of the LM mass of the allowed set
+    #: float32, log q(token | prefix) under the proposal the completion was drawn from
+    row_proposal_logprob: np.ndarray
     row_label: np.ndarray  #: float32 in [0, 1]
     allowed_offsets: np.ndarray  #: int64 (rows+1)
     allowed_token_ids: np.ndarray  #: int32
@@ -103,7 +104,7 @@ class TrainingData:
     _TENSORS = ("completion_offsets", "completion_token_ids", "completion_token_logprobs",
                 "valid", "reference_accepts", "masker_complete", "truncated", "cut_step",
                 "row_completion", "row_step", "row_state", "row_token", "row_lm_logprob",
-                "row_log_z", "row_label", "allowed_offsets", "allowed_token_ids",
+                "row_log_z", "row_proposal_logprob", "row_label", "allowed_offsets", "allowed_token_ids",
                 "allowed_lm_logprobs")
 
     def save(self, directory: str | Path) -> Path:
@@ -126,7 +127,7 @@ class TrainingData:
     def load(cls, directory: str | Path) -> "TrainingData":
         directory = Path(directory)
         doc = json.loads((directory / MANIFEST_FILE).read_text())
-        if doc.get("format_version") != FORMAT_VERSION:
+        if doc.get("format_version") not in (1, FORMAT_VERSION):
             raise ValueError(f"{directory}: training data format {doc.get('format_version')} "
                              f"is not {FORMAT_VERSION}")
         digest = hashlib.sha256((directory / TENSORS_FILE).read_bytes()).hexdigest()
@@ -134,6 +135,10 @@ class TrainingData:
             raise ValueError(f"{directory / TENSORS_FILE}: sha256 {digest} does not match the "
                              f"manifest's {doc['tensors_sha256']} (truncated or modified)")
         t = load_file(str(directory / TENSORS_FILE))
+        if "row_proposal_logprob" not in t:  # format 1: LM or masked proposals only
+            masked = doc["manifest"].get("sampling", {}).get("proposal") == "masked"
+            t["row_proposal_logprob"] = (t["row_lm_logprob"] - t["row_log_z"]) if masked \
+                else t["row_lm_logprob"].copy()
         kwargs = {name: (t[name].astype(bool) if name in ("valid", "reference_accepts",
                                                           "masker_complete", "truncated")
                          else t[name]) for name in cls._TENSORS}
@@ -166,9 +171,69 @@ class TrainingData:
             row_completion=new_id[self.row_completion[rows]].astype(np.int32),
             row_step=self.row_step[rows], row_state=self.row_state[rows],
             row_token=self.row_token[rows], row_lm_logprob=self.row_lm_logprob[rows],
-            row_log_z=self.row_log_z[rows], row_label=self.row_label[rows],
+            row_log_z=self.row_log_z[rows],
+            row_proposal_logprob=self.row_proposal_logprob[rows], row_label=self.row_label[rows],
             allowed_offsets=a_off, allowed_token_ids=a_ids, allowed_lm_logprobs=a_lp,
             manifest=dict(self.manifest))
+
+
+def concat_training_data(parts: Sequence[TrainingData]) -> TrainingData:
+    """Several draws (e.g. the rounds of an iterated fit) as one data set: completions are
+    renumbered in order, the state tables merged. Each completion keeps the proposal it was
+    drawn from (``row_proposal_logprob``), so its labels and weights stay its own; the
+    manifest is the first part's, with ``parts`` listing every part's sampling."""
+    if not parts:
+        raise ValueError("nothing to concatenate")
+    if len(parts) == 1:
+        return parts[0]
+    state_ids: dict[tuple, int] = {}
+    states: list[StateFeatures] = []
+    fields: dict[str, list[np.ndarray]] = {k: [] for k in TrainingData._TENSORS}
+    texts: list[str] = []
+    comp_base = tok_base = allowed_base = 0
+    for part in parts:
+        remap = np.empty(len(part.states), dtype=np.int32)
+        for j, st in enumerate(part.states):
+            key = state_key(st)
+            sid = state_ids.get(key)
+            if sid is None:
+                sid = state_ids[key] = len(states)
+                states.append(st)
+            remap[j] = sid
+        for name in TrainingData._TENSORS:
+            arr = getattr(part, name)
+            if name == "completion_offsets":
+                arr = arr[:-1] + tok_base if part is not parts[-1] else arr + tok_base
+            elif name == "allowed_offsets":
+                arr = arr[:-1] + allowed_base if part is not parts[-1] else arr + allowed_base
+            elif name == "row_completion":
+                arr = arr + comp_base
+            elif name == "row_state":
+                arr = remap[arr]
+            fields[name].append(np.asarray(arr))
+        texts.extend(part.texts)
+        comp_base += part.n_completions
+        tok_base += len(part.completion_token_ids)
+        allowed_base += len(part.allowed_token_ids)
+    merged = {k: np.concatenate(v) for k, v in fields.items()}
+    manifest = dict(parts[0].manifest)
+    manifest["parts"] = [dict(p.manifest.get("sampling", {}), n_samples=p.n_completions,
+                              valid_count=int(np.sum(p.valid)),
+                              forward_tokens=p.manifest.get("forward_tokens"))
+                         for p in parts]
+    manifest["n_samples"] = comp_base
+    manifest["n_rows"] = int(len(merged["row_token"]))
+    manifest["n_states"] = len(states)
+    manifest["valid_fraction"] = float(np.mean(merged["valid"]))
+    manifest["forward_tokens"] = int(sum(p.manifest.get("forward_tokens") or 0 for p in parts))
+    manifest["sampling"] = dict(manifest.get("sampling", {}),
+                                proposal="+".join(sorted({proposal_name(p) for p in parts})))
+    return TrainingData(**merged, texts=texts, states=states, manifest=manifest)
+
+
+def proposal_name(data: TrainingData) -> str:
+    """``"lm"``, ``"masked"``, ``"shim"`` or a ``+``-joined mix: how the data was drawn."""
+    return str(data.manifest.get("sampling", {}).get("proposal", "lm"))
 
 
 def _state_to_json(s: StateFeatures) -> dict:
@@ -199,175 +264,153 @@ def lm_fingerprint(lm) -> dict[str, str]:
     return {"lm_identifier": str(lm.identifier), "lm_revision": str(lm.revision)}
 
 
-def _prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    if ids.shape[1] == 0:
-        raise ValueError("the prompt encodes to no tokens; the LM needs at least one token of "
-                         "context (give a non-empty prompt)")
-    return ids
+#: How :func:`sample_training_data` may draw its completions.
+PROPOSALS = ("lm", "masked", "shim")
+
+
+class _RowRecorder:
+    """Collects one row per replayed token from the sampling engine (features before the
+    token, the token, the stored part of the allowed set)."""
+
+    def __init__(self, log_threshold: float | None, max_stored: int | None) -> None:
+        self.log_threshold = log_threshold
+        self.max_stored = max_stored
+        self.state_ids: dict[tuple, int] = {}
+        self.states: list[StateFeatures] = []
+        self.rows: list[tuple[int, int, int, int, float, float]] = []
+        self.allowed_ids: list[np.ndarray] = []
+        self.allowed_lps: list[np.ndarray] = []
+
+    def record(self, row, step, state, token, logp, mask, log_z) -> None:
+        feats = _normalised(state.features())
+        key = state_key(feats)
+        sid = self.state_ids.get(key)
+        if sid is None:
+            sid = self.state_ids[key] = len(self.states)
+            self.states.append(feats)
+        allowed = np.flatnonzero(mask)
+        la = logp[allowed]
+        if self.log_threshold is not None:
+            keep = (la - log_z >= self.log_threshold) | (allowed == token)
+            allowed, la = allowed[keep], la[keep]
+        if self.max_stored is not None and len(allowed) > self.max_stored:
+            keep = np.zeros(len(allowed), dtype=bool)
+            keep[np.argsort(-la, kind="stable")[:self.max_stored]] = True
+            keep |= allowed == token
+            allowed, la = allowed[keep], la[keep]
+        self.rows.append((row, step, sid, token, float(logp[token]), log_z))
+        self.allowed_ids.append(allowed.astype(np.int32))
+        self.allowed_lps.append(la.astype(np.float32))
+
+    def retract(self, row: int) -> None:
+        """The masker refused the token just recorded for ``row``: drop that row."""
+        if self.rows and self.rows[-1][0] == row:
+            self.rows.pop()
+            self.allowed_ids.pop()
+            self.allowed_lps.pop()
 
 
 def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000, *,
-                         max_new_tokens: int = 128, batch_size: int = 250, seed: int = 0,
+                         max_new_tokens: int = 128, batch_size: int = 64, seed: int = 0,
                          allowed_min_prob: float | None = 1e-8,
                          allowed_max_stored: int | None = 4096,
-                         progress: bool = True, proposal: str = "lm") -> TrainingData:
-    """Sample ``n_samples`` unconstrained completions of ``prompt`` and replay them.
+                         progress: bool = True, proposal: str = "lm", controller=None,
+                         defensive: float = 0.0, prefilled=None, cut: bool = True
+                         ) -> TrainingData:
+    """Draw ``n_samples`` completions of ``prompt`` with the sampling engine and replay them.
 
-    ``proposal="masked"`` samples masked completions instead (the LM renormalised over the
-    masker's allowed set at every step): every row is then a state masked decoding visits, and
-    ``row_log_z`` along a completion gives the masked-rollout soft targets of
-    :mod:`shim_adapters.targets` (DESIGN.md section 2). Labels stay 0/1 final validity.
+    ``proposal``: ``"lm"`` (unconstrained, the paper's data: every row labelled by final
+    validity), ``"masked"`` (masked decoding: every row is a state masked decoding visits) or
+    ``"shim"`` (masked decoding corrected by ``controller``, optionally mixed with masking by
+    ``defensive``). Masked and SHIM completions only emit strings of L, so the importance ratio
+    p/q of each suffix (``row_proposal_logprob`` against ``row_lm_logprob``) gives every row a
+    soft label (:mod:`shim_adapters.targets`). ``cut`` (unconstrained only): a completion stops
+    at the masker's first refusal, where it can no longer be valid; this saves most of the LM's
+    work when the LM is rarely valid, at the price of not counting valid strings the masker
+    wrongly refuses (``masker_rejected_valid`` then covers the uncut completions only).
 
-    ``lm`` is a :class:`shim_adapters.lm.LoadedLM` (model, tokenizer, identifier, revision,
-    vocab_size, eos_token_ids). ``allowed_min_prob``: allowed tokens whose LM probability
-    relative to the allowed mass Z is below this are not stored (``row_log_z`` is always
-    exact); None keeps every allowed token. ``allowed_max_stored`` caps the stored allowed set
-    per row at its most likely tokens (the sampled token is always kept).
+    ``lm`` is a :class:`shim_adapters.lm.LoadedLM`; ``prefilled`` may hand in the prompt's
+    :class:`~shim_adapters.sampling.PrefilledPrompt` (the prompt then is its text).
+    ``allowed_min_prob``: allowed tokens whose LM probability relative to the allowed mass Z is
+    below this are not stored (``row_log_z`` is always exact); None keeps every allowed token.
+    ``allowed_max_stored`` caps the stored allowed set per row at its most likely tokens (the
+    sampled token is always kept).
     """
-    from tqdm.auto import tqdm
+    from .correction import ShimAdjuster
+    from .sampling import eos_ids, prefill, sample
 
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    if proposal not in ("lm", "masked"):
-        raise ValueError(f"proposal must be 'lm' (unconstrained) or 'masked', not {proposal!r}")
-    masked = proposal == "masked"
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {', '.join(PROPOSALS)}, not {proposal!r}")
+    if (proposal == "shim") != (controller is not None):
+        raise ValueError("proposal='shim' needs a fitted controller (and only it takes one)")
     if masker.vocab_size != lm.vocab_size:
         raise VocabMismatchError(f"masker was compiled for logits of width {masker.vocab_size} "
                                  f"but the LM {lm.identifier} has {lm.vocab_size}")
-    model, tokenizer = lm.model, lm.tokenizer
-    eos = set(int(e) for e in masker.eos_token_ids) | set(int(e) for e in lm.eos_token_ids)
-    pad = min(eos)
+    eos = eos_ids(lm, masker)
     acceptor = reference_acceptor(masker.grammar)
-    prompt_ids = _prompt_ids(tokenizer, prompt)
+    pre = prefilled if prefilled is not None else prefill(lm, prompt)
     gen = torch.Generator().manual_seed(seed)
-    log_threshold = None if allowed_min_prob is None else float(np.log(allowed_min_prob))
-
-    state_ids: dict[tuple, int] = {}
-    states: list[StateFeatures] = []
-    comp_tokens: list[list[int]] = []
-    comp_lps: list[list[float]] = []
-    cut_steps: list[int] = []
-    masker_done: list[bool] = []
-    rows: list[tuple[int, int, int, int, float, float]] = []  # comp, step, state, tok, lp, logz
-    allowed_ids: list[np.ndarray] = []
-    allowed_lps: list[np.ndarray] = []
-
+    recorder = _RowRecorder(None if allowed_min_prob is None else float(np.log(allowed_min_prob)),
+                            allowed_max_stored)
+    masked = proposal != "lm"
+    adjuster = ShimAdjuster(controller) if controller is not None else None
     t0 = time.perf_counter()
-    bar = tqdm(total=n_samples, desc="sampling completions", unit="seq", disable=not progress)
-    done_total = 0
-    while done_total < n_samples:
-        b = min(batch_size, n_samples - done_total)
-        base = done_total
-        mstates = [masker.new_state() for _ in range(b)]
-        in_grammar = np.ones(b, dtype=bool)
-        finished = np.zeros(b, dtype=bool)
-        toks: list[list[int]] = [[] for _ in range(b)]
-        lps: list[list[float]] = [[] for _ in range(b)]
-        cut = [-1] * b
-        attention = torch.ones((b, prompt_ids.shape[1] + max_new_tokens), dtype=torch.long)
-        with torch.no_grad():
-            out = model(input_ids=prompt_ids.expand(b, -1), past_key_values=DynamicCache(),
-                        attention_mask=attention[:, : prompt_ids.shape[1]], use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :]
-            for step in range(max_new_tokens):
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                masks = {}
-                if masked:
-                    live_mask = np.ones(logp.shape, dtype=bool)
-                    for i in np.flatnonzero(~finished):
-                        m = masks[i] = mstates[i].allowed_mask()
-                        if not m.any():
-                            raise DeadEndError(mstates[i].step, mstates[i].describe(), row=int(i))
-                        live_mask[i] = m
-                    probs = logp.masked_fill(~torch.from_numpy(live_mask), float("-inf")).exp()
-                else:
-                    probs = logp.exp()
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-                logp_np, nxt_np = logp.numpy(), nxt.numpy()
-                for i in np.flatnonzero(~finished):
-                    t = int(nxt_np[i])
-                    toks[i].append(t)
-                    lps[i].append(float(logp_np[i, t]))
-                    if in_grammar[i]:
-                        st = mstates[i]
-                        mask = masks[i] if masked else st.allowed_mask()
-                        if mask[t]:
-                            feats = _normalised(st.features())
-                            key = state_key(feats)
-                            sid = state_ids.get(key)
-                            if sid is None:
-                                sid = state_ids[key] = len(states)
-                                states.append(feats)
-                            allowed = np.flatnonzero(mask)
-                            la = logp_np[i, allowed]
-                            logz = float(np.logaddexp.reduce(la))
-                            if log_threshold is not None:
-                                keep = (la - logz >= log_threshold) | (allowed == t)
-                                allowed, la = allowed[keep], la[keep]
-                            if allowed_max_stored is not None and len(allowed) > \
-                                    allowed_max_stored:
-                                keep = np.zeros(len(allowed), dtype=bool)
-                                keep[np.argsort(-la, kind="stable")[:allowed_max_stored]] = True
-                                keep |= allowed == t
-                                allowed, la = allowed[keep], la[keep]
-                            try:
-                                st.advance(t)
-                            except ForbiddenTokenError:
-                                in_grammar[i] = False  # mask and advance disagree: cut here
-                                cut[i] = step
-                            else:
-                                rows.append((base + i, step, sid, t, float(logp_np[i, t]), logz))
-                                allowed_ids.append(allowed.astype(np.int32))
-                                allowed_lps.append(la.astype(np.float32))
-                        else:
-                            in_grammar[i] = False
-                            cut[i] = step
-                    if t in eos:
-                        finished[i] = True
-                if finished.all():
-                    break
-                nxt[torch.from_numpy(finished)] = pad
-                out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True,
-                            attention_mask=attention[:, : prompt_ids.shape[1] + step + 1])
-                past, logits = out.past_key_values, out.logits[:, -1, :]
-        for i in range(b):
-            comp_tokens.append(toks[i])
-            comp_lps.append(lps[i])
-            cut_steps.append(cut[i])
-            masker_done.append(bool(mstates[i].is_finished and in_grammar[i]))
-        done_total += b
-        bar.update(b)
-    bar.close()
+    drawn = sample(pre, n_samples, masker=masker if masked else None, adjuster=adjuster,
+                   defensive=defensive if controller is not None else 0.0,
+                   watch=None if masked else masker, max_new_tokens=max_new_tokens,
+                   batch_size=batch_size, generator=gen, recorder=recorder, progress=progress,
+                   progress_label=f"sampling completions ({proposal})")
     sample_seconds = time.perf_counter() - t0
+    if not cut and not masked:
+        raise ValueError("cut=False is not supported: rows after the masker's first refusal "
+                         "carry no information for the controller")
 
-    n = n_samples
+    comp_tokens = drawn.token_ids
     truncated = np.array([not (t and t[-1] in eos) for t in comp_tokens], dtype=bool)
+    was_cut = np.array(drawn.cut, dtype=bool)
+    failed = np.array(drawn.failed, dtype=bool)
     texts = [masker.decode([x for x in t if x not in eos]) for t in comp_tokens]
-    ref = np.array([acceptor.accepts(s) for s in texts], dtype=bool)
-    masker_complete = np.array(masker_done, dtype=bool)
+    ref = np.array([acceptor.accepts(s) if not c else False for s, c in zip(texts, was_cut)],
+                   dtype=bool)
+    masker_complete = np.array([st.is_finished for st in drawn.states], dtype=bool) & \
+        ~was_cut & ~failed
     valid = ref & masker_complete & ~truncated
+    rows = recorder.rows
     row_arr = np.array(rows, dtype=np.float64).reshape(-1, 6)
     row_comp = row_arr[:, 0].astype(np.int32)
+    row_step = row_arr[:, 1].astype(np.int32)
+    row_lq = np.array([drawn.proposal_logprobs[c][k] for c, k in zip(row_comp, row_step)],
+                      dtype=np.float32)
     c_ids, c_off = _ragged(comp_tokens, np.int32)
-    c_lps, _ = _ragged(comp_lps, np.float32)
-    a_ids, a_off = _ragged(allowed_ids, np.int32)
-    a_lps, _ = _ragged(allowed_lps, np.float32)
+    c_lps, _ = _ragged(drawn.lm_logprobs, np.float32)
+    a_ids, a_off = _ragged(recorder.allowed_ids, np.int32)
+    a_lps, _ = _ragged(recorder.allowed_lps, np.float32)
+    n = n_samples
+    sampling = {"proposal": proposal, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                "allowed_min_prob": allowed_min_prob, "allowed_max_stored": allowed_max_stored,
+                "cut_at_first_refusal": bool(not masked and cut)}
+    if controller is not None:
+        sampling["controller"] = {"kind": controller.kind,
+                                  "beta": float(getattr(controller, "beta_", float("nan"))),
+                                  "defensive": defensive}
     manifest = {
-        "prompt": prompt,
+        "prompt": pre.prompt,
         "n_samples": n,
         "n_rows": len(rows),
-        "n_states": len(states),
+        "n_states": len(recorder.states),
         "valid_fraction": float(valid.mean()),
+        "valid_count": int(valid.sum()),
         "truncated": int(truncated.sum()),
+        "cut": int(was_cut.sum()),
         "masker_rejected_valid": int((ref & ~truncated & ~masker_complete).sum()),
         "masker_accepted_invalid": int((masker_complete & ~ref).sum()),
-        "sampling": {"proposal": proposal, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                     "seed": seed,
-                     "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-                     "allowed_min_prob": allowed_min_prob,
-                     "allowed_max_stored": allowed_max_stored},
+        "masker_failures": int(failed.sum()),
+        "sampling": sampling,
         "sample_seconds": sample_seconds,
+        "forward_tokens": int(drawn.forward_tokens),
         "grammar_name": masker.grammar.name,
         "eos_token_ids": sorted(eos),
         **masker.fingerprint(),
@@ -377,12 +420,13 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
     return TrainingData(
         completion_offsets=c_off, completion_token_ids=c_ids, completion_token_logprobs=c_lps,
         valid=valid, reference_accepts=ref, masker_complete=masker_complete,
-        truncated=truncated, cut_step=np.array(cut_steps, dtype=np.int32), texts=texts,
-        states=states, row_completion=row_comp,
-        row_step=row_arr[:, 1].astype(np.int32), row_state=row_arr[:, 2].astype(np.int32),
-        row_token=row_arr[:, 3].astype(np.int32),
+        truncated=truncated, cut_step=np.array([len(t) - 1 if c else -1 for t, c in
+                                                zip(comp_tokens, was_cut)], dtype=np.int32),
+        texts=texts, states=recorder.states, row_completion=row_comp, row_step=row_step,
+        row_state=row_arr[:, 2].astype(np.int32), row_token=row_arr[:, 3].astype(np.int32),
         row_lm_logprob=row_arr[:, 4].astype(np.float32),
         row_log_z=row_arr[:, 5].astype(np.float32),
+        row_proposal_logprob=row_lq,
         row_label=valid[row_comp].astype(np.float32),
         allowed_offsets=a_off, allowed_token_ids=a_ids, allowed_lm_logprobs=a_lps,
         manifest=manifest)

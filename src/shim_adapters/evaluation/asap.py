@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..protocol import Masker, MaskerState
-from .decoding import PrefilledPrompt, decode, eos_ids
+from ..sampling import PrefilledPrompt, eos_ids, sample
 from .timing import NullTimer, PhaseTimer
 
 #: Floor for log EFG so the weights stay finite (a node whose every child failed).
@@ -172,7 +172,8 @@ def run_asap(prefilled: PrefilledPrompt, masker: Masker, n_samples: int, *,
             nxt = [c for c in wanted if c > done]
             if nxt:
                 b = min(b, nxt[0] - done)
-        batch = decode(prefilled, b, masker=masker, adjuster=trie, max_new_tokens=max_new_tokens,
+        batch = sample(prefilled, b, masker=masker, adjuster=trie, max_new_tokens=max_new_tokens,
+                       batch_size=b,
                        generator=generator, timer=timer)
         t0 = time.perf_counter()
         for toks, lps, logz, bad in zip(batch.token_ids, batch.lm_logprobs,

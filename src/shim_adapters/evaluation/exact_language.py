@@ -17,7 +17,7 @@ import torch
 from ..generation import LogitAdjuster
 from ..protocol import Masker, MaskerState
 from ..reference import reference_acceptor
-from .decoding import PrefilledPrompt, eos_ids
+from ..sampling import PrefilledPrompt, eos_ids
 
 
 class LanguageTooLargeError(ValueError):

@@ -15,7 +15,7 @@ import torch
 
 from ..grammar import Grammar
 from ..reference import reference_acceptor
-from .decoding import PrefilledPrompt, decode, eos_ids
+from ..sampling import PrefilledPrompt, eos_ids, sample
 from .timing import PhaseTimer
 
 
@@ -32,6 +32,8 @@ class LMDraws:
     seconds: float
     #: Stopped early at a token the watching masker refused (see ``cut_by``).
     cut: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    #: LM positions evaluated for these draws (cost in forward passes, CARS-style).
+    forward_tokens: int = 0
 
     @property
     def n(self) -> int:
@@ -57,14 +59,16 @@ def draw_lm_samples(prefilled: PrefilledPrompt, grammar: Grammar, n: int, *,
     tokens: list[list[int]] = []
     cut: list[bool] = []
     seconds = 0.0
+    forward = 0
     with tqdm(total=n, desc="LM samples", unit="seq", disable=not progress, leave=False) as bar:
         while len(tokens) < n:
             b = min(batch_size, n - len(tokens))
-            batch = decode(prefilled, b, max_new_tokens=max_new_tokens, generator=generator,
-                           timer=timer, cut_by=cut_by)
+            batch = sample(prefilled, b, max_new_tokens=max_new_tokens, generator=generator,
+                           batch_size=b, timer=timer, watch=cut_by)
             tokens.extend(batch.token_ids)
             cut.extend(batch.cut)
             seconds += batch.seconds
+            forward += batch.forward_tokens
             bar.update(b)
     start = time.perf_counter()
     complete = np.array([bool(t) and t[-1] in eos and not c for t, c in zip(tokens, cut)],
@@ -74,7 +78,7 @@ def draw_lm_samples(prefilled: PrefilledPrompt, grammar: Grammar, n: int, *,
     valid = np.array([c and acceptor.accepts(s) for c, s in zip(complete, texts)], dtype=bool)
     seconds += time.perf_counter() - start  # checking is part of rejection's cost
     return LMDraws(token_ids=tokens, texts=texts, complete=complete, valid=valid, seconds=seconds,
-                   cut=np.array(cut, dtype=bool))
+                   cut=np.array(cut, dtype=bool), forward_tokens=forward)
 
 
 @dataclass

@@ -23,9 +23,9 @@ import torch
 
 from ..protocol import Masker
 from .asap import run_asap
-from .decoding import decode, prefill
+from ..sampling import prefill, sample
 from .exact_language import LanguageTooLargeError, enumerate_language
-from .lm_views import gqa_without_copies, prompt_cached, stop_folded
+from .lm_views import gqa_without_copies, stop_folded
 from .metrics import (bootstrap_kl, exact_kl, grouped_probabilities, language_kl, stability_curve,
                       support_of)
 from .rejection import draw_lm_samples
@@ -48,7 +48,11 @@ class EvalOptions:
     n_train: int | None = None
     #: SHIM training labels (:mod:`shim_adapters.targets`): ``final`` (the paper's 0/1 validity
     #: of unconstrained completions), ``rollout`` or ``bootstrap`` (masked completions).
-    target: str = "final"
+    target: str = "final"  # or "auto", "rollout", "bootstrap"
+    #: Iterated refits within the SHIM training budget (``fit_controller(rounds=...)``).
+    rounds: int = 1
+    #: Samples per masked method for the importance-sampled KL (0: rejection-based only).
+    mixture_samples: int = 0
     asap_samples: int = 100
     #: ASAp samples drawn between trie updates (1 = the sequential algorithm).
     asap_batch_size: int = 1
@@ -144,7 +148,7 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
     opts = EvalOptions(n_samples=n_samples, seed=seed, **options)
     from ..targets import TARGET_KINDS
 
-    if opts.target not in TARGET_KINDS:
+    if opts.target not in TARGET_KINDS + ("auto",):
         raise ValueError(f"unknown SHIM target {opts.target!r}; choose from "
                          f"{', '.join(TARGET_KINDS)}")
     suite_obj = load_suite(suite, opts.data_dir).select(
@@ -208,11 +212,8 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
     shim_info: dict[str, dict] = {}
     wanted_shim = [m for m in methods if m in SHIM_KINDS]
     if wanted_shim:
-        cached_lm = prompt_cached(lm, pre)
-        adjusters.update(_fit_shim(case, cached_lm, masker, wanted_shim, opts, max_new,
+        adjusters.update(_fit_shim(case, lm, pre, masker, wanted_shim, opts, max_new,
                                    progress, shim_info, out_dir))
-        if cached_lm.model.hits == 0:
-            _log(progress, "  warning: training-data sampling never reused the prompt cache")
 
     # 3. ASAp with snapshots of its trie
     asap_run = None
@@ -298,16 +299,26 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
     if MASKING not in methods:
         result["methods"].pop(MASKING, None)
     if "rejection" in methods:
+        n_valid = int(draws.valid.sum())
         result["methods"]["rejection"] = {
-            "kl": {"kl": 0.0, "ci_low": 0.0, "ci_high": 0.0,
-                   "support_size": result["support"]["size"], "n_draws": draws.n,
-                   "n_bootstrap": 0},
-            "note": "samples the target exactly (KL 0 by construction)",
+            "kl": ({"kl": 0.0, "ci_low": 0.0, "ci_high": 0.0,
+                    "support_size": result["support"]["size"], "n_draws": draws.n,
+                    "n_bootstrap": 0} if n_valid else None),
+            "note": ("samples the target exactly (KL 0 by construction)" if n_valid else
+                     f"no valid draw in {draws.n}: rejection produced no sample, not measurable"),
+            "valid_draws": n_valid,
+            "forward_tokens_per_valid_sample": (draws.forward_tokens / n_valid if n_valid
+                                                else float("inf")),
             "batched_seconds_per_accepted": draws.seconds_per_accepted,
             "acceptance_rate": float(draws.valid.mean()),
         }
     for name, info in shim_info.items():
         result["methods"].setdefault(name, {}).update(info)
+
+    # 4b. fidelity at any P(L): importance sampling from the methods' own proposals
+    if opts.mixture_samples > 0:
+        result["importance"] = _mixture_fidelity(pre, masker, adjusters, draws, opts, max_new,
+                                                 progress)
 
     # 5. exact KL over a small finite language
     if case.exact:
@@ -327,47 +338,132 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
     return result
 
 
-def _fit_shim(case, lm, masker: Masker, kinds: list[str], opts: EvalOptions, max_new: int,
+def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions, max_new: int,
               progress: bool, info: dict, out_dir: Path | None) -> dict[str, Any]:
-    from ..artefact import save_controller
-    from ..controller import make_controller
+    """Fit every SHIM kind on one shared draw (round 1; later rounds are each kind's own)."""
     from ..correction import ShimAdjuster
-    from ..targets import make_targets
+    from ..fitting import choose_target, fit_controller
     from ..training_data import sample_training_data
 
     n_train = opts.n_train or opts.n_samples
+    target, target_info = opts.target, {"target_reason": "asked for"}
+    if target == "auto":
+        target, target_info = choose_target(lm, masker, pre, n_train, rounds=opts.rounds,
+                                            max_new_tokens=max_new, seed=opts.seed + 1,
+                                            batch_size=opts.batch_size)
+    first = n_train // opts.rounds + n_train % opts.rounds
     t0 = time.perf_counter()
-    data = sample_training_data(lm, masker, case.prompt, n_train, max_new_tokens=max_new,
-                                seed=opts.seed + 1, progress=False,
+    data = sample_training_data(lm, masker, pre.prompt, first, max_new_tokens=max_new,
+                                seed=opts.seed + 1, progress=False, prefilled=pre,
                                 batch_size=opts.batch_size,
-                                proposal="lm" if opts.target == "final" else "masked")
+                                proposal="lm" if target == "final" else "masked")
     sample_seconds = time.perf_counter() - t0
-    _log(progress, f"  training data ({opts.target} target): {n_train} completions in "
-                   f"{sample_seconds:.1f}s, valid fraction {float(np.mean(data.valid)):.3f}")
+    _log(progress, f"  training data ({target} target: {target_info['target_reason']}): "
+                   f"{first} completions in {sample_seconds:.1f}s, valid fraction "
+                   f"{float(np.mean(data.valid)):.3f}")
     out = {}
     for name in kinds:
         t0 = time.perf_counter()
-        targets = make_targets(opts.target, data, lambda: make_controller(SHIM_KINDS[name]))
-        controller = make_controller(SHIM_KINDS[name]).fit(
-            targets.data, y=targets.y, completion_weight=targets.completion_weight)
-        controller.target_ = opts.target
-        fit_seconds = time.perf_counter() - t0
         directory = (out_dir / "controllers" / case.name / name) if out_dir else \
             Path(tempfile.mkdtemp(prefix="shim-eval-"))
-        manifest = save_controller(directory, controller, masker, lm, prompt=case.prompt,
-                                   training={"target": opts.target})
+        try:
+            controller, manifest = fit_controller(
+                lm, masker, pre.prompt, SHIM_KINDS[name], n_train, data=data, prefilled=pre,
+                target=target, rounds=opts.rounds, max_new_tokens=max_new,
+                seed=opts.seed + 1, progress=False, batch_size=opts.batch_size,
+                stop_at_newline=case.stop_at_newline, output_dir=directory)
+        except ValueError as exc:  # e.g. no training rows for the final target
+            info[name] = {"error": str(exc), "target": target, "falls_back_to_masking": True}
+            out[name] = None
+            _log(progress, f"  {name}: not fitted ({exc}); scored as masking")
+            continue
+        fit_seconds = time.perf_counter() - t0
+        training = manifest["training"]
         info[name] = {"fit_seconds": fit_seconds, "training_samples": n_train,
-                      "training_sample_seconds": sample_seconds, "target": opts.target,
+                      "training_sample_seconds": sample_seconds, "target": target,
+                      "target_reason": target_info.get("target_reason"),
+                      "p_valid_estimate": target_info.get("p_valid_estimate"),
                       "controller_bytes": int(manifest.get("weights_bytes", 0)),
                       "beta": float(getattr(controller, "beta_", float("nan"))),
                       "reg": float(getattr(controller, "reg_", float("nan"))),
+                      "reg_on_grid_edge": bool(getattr(controller, "reg_on_grid_edge_", False)),
                       "falls_back_to_masking": bool(controller.falls_back_to_masking_),
                       "heldout_kl_gain": float(controller.heldout_kl_gain_),
                       "heldout_kl_gain_se": float(controller.heldout_kl_gain_se_),
+                      "heldout_effective_samples": float(controller.heldout_effective_samples_),
+                      "rounds": training.get("rounds"),
+                      "forward_tokens": training.get("data_forward_tokens"),
+                      "forward_tokens_per_valid_sample":
+                          training.get("forward_tokens_per_valid_sample"),
                       "decision": controller.decision_}
         out[name] = ShimAdjuster(controller)
         _log(progress, f"  {name}: fitted in {fit_seconds:.1f}s (beta={info[name]['beta']}; "
                        f"{controller.decision_})")
+    return out
+
+
+def _mixture_fidelity(pre, masker, adjusters: dict[str, Any], draws, opts: EvalOptions,
+                      max_new: int, progress: bool) -> dict[str, Any]:
+    """Every masked method draws ``opts.mixture_samples``; the pooled draws (with the
+    unconstrained ones) estimate each method's KL to p(·|G) by importance sampling."""
+    from ..reference import reference_acceptor
+    from ..sampling import eos_ids
+    from .mixture import MixtureDraws, mixture_kl
+
+    acceptor = reference_acceptor(masker.grammar)
+    eos = eos_ids(pre.lm, masker)
+    names = ["lm"] + [m for m in adjusters if m == MASKING or m in SHIM_KINDS or
+                      m == f"asap@{opts.asap_samples}"]
+    seq_ids: dict[tuple[int, ...], int] = {}
+    proposal, sequence = [], []
+    cost: dict[str, dict] = {}
+
+    def add(k: int, toks: list[int], ok: bool) -> None:
+        proposal.append(k)
+        sequence.append(seq_ids.setdefault(tuple(toks), len(seq_ids)) if ok else -1)
+
+    for toks, ok in zip(draws.token_ids, draws.valid):
+        add(0, toks, bool(ok))
+    gen = torch.Generator().manual_seed(opts.seed + 5)
+    for k, name in enumerate(names[1:], start=1):
+        if name != MASKING and adjusters.get(name) is None:
+            continue  # a SHIM kind that was not fitted
+        got = sample(pre, opts.mixture_samples, masker=masker, adjuster=adjusters.get(name),
+                     max_new_tokens=max_new, batch_size=opts.batch_size, generator=gen)
+        n_valid = 0
+        for toks, fin in zip(got.token_ids, got.finished):
+            text = masker.decode([t for t in toks if t not in eos])
+            ok = bool(fin) and acceptor.accepts(text)
+            n_valid += ok
+            add(k, toks, ok)
+        cost[name] = {"seconds_per_sample": got.seconds / max(got.n, 1),
+                      "forward_tokens_per_sample": got.forward_tokens / max(got.n, 1),
+                      "valid_fraction": n_valid / max(got.n, 1), "samples": got.n}
+    sequences = [list(t) for t in seq_ids]
+    t0 = time.perf_counter()
+    scored = score_sequences(pre, sequences, masker,
+                             {m: adjusters.get(m) for m in names[1:]})
+    score_seconds = time.perf_counter() - t0
+    mix = MixtureDraws(np.array(proposal), np.array(sequence), names)
+    est = mixture_kl(mix, scored.lm, scored.methods, n_bootstrap=opts.n_bootstrap,
+                     seed=opts.seed)
+    out = est.as_dict()
+    out["cost"] = cost
+    out["scoring_seconds"] = score_seconds
+    out["distinct_sequences"] = len(sequences)
+    if "lr_full" in cost and "lr_full" in est.own_ess:  # exact-target mode (SIR over SHIM)
+        own = est.own_ess["lr_full"]
+        seconds = cost["lr_full"]["seconds_per_sample"] * cost["lr_full"]["samples"] + \
+            score_seconds * cost["lr_full"]["samples"] / max(len(proposal), 1)
+        out["exact_target"] = {"proposal": "lr_full", "ess": own,
+                               "seconds_per_effective_sample": seconds / own if own else
+                               float("inf"),
+                               "forward_tokens_per_effective_sample":
+                                   cost["lr_full"]["forward_tokens_per_sample"] *
+                                   cost["lr_full"]["samples"] / own if own else float("inf")}
+    _log(progress, f"  importance: ESS {est.ess:.1f} of {len(proposal)} draws, P(L) "
+                   f"{est.p_valid:.3g}; " + ", ".join(
+                       f"{m}: {v:.3f}" for m, v in est.kl.items()))
     return out
 
 
@@ -406,7 +502,7 @@ def _time_methods(pre, masker, adjusters, methods, opts, max_new, asap_run,
         accepted = k
         tokens = 0
         if name == "rejection":
-            draws = [decode(pre, 1, max_new_tokens=max_new, generator=gen, timer=timer)
+            draws = [sample(pre, 1, max_new_tokens=max_new, generator=gen, timer=timer)
                      for _ in range(k)]
             from ..reference import reference_acceptor
 
@@ -424,7 +520,7 @@ def _time_methods(pre, masker, adjusters, methods, opts, max_new, asap_run,
         else:
             adjuster = adjusters.get(name)
             for _ in range(k):
-                d = decode(pre, 1, masker=masker, adjuster=adjuster, max_new_tokens=max_new,
+                d = sample(pre, 1, masker=masker, adjuster=adjuster, max_new_tokens=max_new,
                            generator=gen, timer=timer)
                 tokens += len(d.token_ids[0])
         seconds = time.perf_counter() - t0

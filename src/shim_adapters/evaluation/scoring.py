@@ -18,7 +18,7 @@ import torch
 from ..errors import ForbiddenTokenError, VocabMismatchError
 from ..generation import LogitAdjuster
 from ..protocol import Masker
-from .decoding import PrefilledPrompt
+from ..sampling import PrefilledPrompt
 from .timing import NullTimer, PhaseTimer
 
 #: The method name of plain masking (no adjuster).
