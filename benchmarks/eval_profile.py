@@ -43,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--cut-draws", action="store_true",
                    help="stop an unconstrained draw at the first token the masker refuses")
-    p.add_argument("--target", default="final", choices=("final", "rollout", "bootstrap"),
-                   help="SHIM training labels")
+    p.add_argument("--target", default="final",
+                   choices=("auto", "final", "rollout", "bootstrap"), help="SHIM training labels")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="iterated refits on the controller's own rollouts (same budget)")
+    p.add_argument("--mixture-samples", type=int, default=0,
+                   help="samples per masked method for the importance-sampled KL")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cases already in OUT/report.json, run the others")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
@@ -58,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         asap_checkpoints=tuple(int(x) for x in a.asap_checkpoints.split(",")),
         timing_samples=a.timing_samples, n_bootstrap=a.n_bootstrap,
         max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, cut_draws=a.cut_draws,
-        target=a.target)
+        target=a.target, rounds=a.rounds, mixture_samples=a.mixture_samples,
+        resume=a.resume)
     methods = [m for m in report.methods if m != "rejection"]
     print(f"{'case':32s} {'|S|':>5s} " + " ".join(f"{m:>10s}" for m in methods))
     for case in report.cases:

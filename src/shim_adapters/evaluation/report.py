@@ -87,6 +87,7 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
               "p(·|G)), P(L) = their fraction; the CI resamples all N draws. Renormalising over "
               "S hides the mass a method puts outside S; the language KL counts it",
               f"- wall time {r.seconds / 60:.1f} min, peak RSS {r.peak_rss_mib:.0f} MiB", ""]
+    lines += _importance_tables(r)
     lines += ["## KL(p(·|G) ‖ q) over the sampled support S (nats, 95% bootstrap CI)", "",
               "| case | \\|S\\| | " + " | ".join(kl_methods) + " |",
               "|---|---:|" + "---:|" * len(kl_methods)]
@@ -238,6 +239,73 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
         for name, path in figures.items():
             lines.append(f"![{name}]({Path(path).name})")
     return "\n".join(lines) + "\n"
+
+
+def _importance_methods(case: dict) -> list[str]:
+    return list(case.get("importance", {}).get("kl", {}))
+
+
+def _label(method: str) -> str:
+    return "asap" if method.startswith("asap@") else method
+
+
+def _importance_tables(r) -> list[str]:
+    """KL at any P(L): the importance-sampled estimates over the pooled proposals."""
+    from .mixture import MIN_ESS, format_kl
+
+    cases = [c for c in r.cases if c.get("importance")]
+    if not cases:
+        return []
+    methods = []
+    for c in cases:
+        methods += [m for m in _importance_methods(c) if m not in methods]
+    lines = ["## KL(p(·|G) ‖ q) by importance sampling (nats, 95% stratified bootstrap CI)", "",
+             "Every masked method draws its own samples; the pooled draws (with the "
+             "unconstrained ones) are weighted by the balance heuristic "
+             "w = 1[x in L]·p(x) / Σ_m (n_m/N)·q_m(x), so every method is scored on the same "
+             "weighted samples of p(·|G) and P(L) = mean w. ESS = (Σw)²/Σw²; below "
+             f"{MIN_ESS:g} a KL is not measurable and is not printed as a number.", "",
+             "| case | P(L) | ESS / draws | " + " | ".join(_label(m) for m in methods) + " |",
+             "|---|---:|---:|" + "---:|" * len(methods)]
+    for c in cases:
+        imp = c["importance"]
+        cells = [format_kl(imp["kl"].get(m, float("nan")), imp["kl_ci"].get(m), imp["ess"])
+                 if m in imp["kl"] else "—" for m in methods]
+        lines.append(f"| {c['name']} | {_fmt(imp['p_valid'], 4)} | {imp['ess']:.0f} / "
+                     f"{imp['n_draws']} | " + " | ".join(cells) + " |")
+    others = [m for m in methods if m != "masking"]
+    lines += ["", "### Each method minus masking (paired on the same weighted draws; * the 95% "
+              "CI excludes 0)", "", "| case | " + " | ".join(_label(m) for m in others) + " |",
+              "|---|" + "---:|" * len(others)]
+    for c in cases:
+        imp = c["importance"]
+        cells = []
+        for m in others:
+            d, ci = imp["diff_to_masking"].get(m), imp["diff_ci"].get(m)
+            if d is None or not imp["ess"] >= MIN_ESS or ci is None:
+                cells.append("—" if d is None else f"not measurable (ESS {imp['ess']:.3g})")
+                continue
+            star = "*" if ci[1] < 0 or ci[0] > 0 else ""
+            cells.append(f"{d:+.3f}{star} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
+        lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "### SHIM fits, exact-target mode and cost", "",
+              "| case | target (P(L) estimate) | LR_FULL β | fell back | exact-target ESS "
+              "(LR_FULL proposal) | s / effective sample | " + " | ".join(
+                  f"{_label(m)} s/sample" for m in methods) + " | rejection LM tokens / valid |",
+              "|---|---|---:|---|---:|---:|" + "---:|" * len(methods) + "---:|"]
+    for c in cases:
+        imp = c["importance"]
+        fit = c["methods"].get("lr_full", {})
+        et = imp.get("exact_target", {})
+        rej = c["methods"].get("rejection", {})
+        cost = imp.get("cost", {})
+        lines.append(
+            f"| {c['name']} | {fit.get('target', '—')} ({_fmt(fit.get('p_valid_estimate'), 3)})"
+            f" | {_fmt(fit.get('beta'), 2)} | {fit.get('falls_back_to_masking', '—')} | "
+            f"{_fmt(et.get('ess'), 1)} | {_fmt(et.get('seconds_per_effective_sample'), 2)} | "
+            + " | ".join(_fmt(cost.get(m, {}).get("seconds_per_sample"), 3) for m in methods)
+            + f" | {_fmt(rej.get('forward_tokens_per_valid_sample'), 0)} |")
+    return lines + [""]
 
 
 def _lang(case: dict, method: str) -> dict | None:

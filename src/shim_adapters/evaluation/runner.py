@@ -70,6 +70,8 @@ class EvalOptions:
     data_dir: str | None = None
     cases: tuple[str, ...] | None = None
     limit: int | None = None
+    #: Keep the cases already in ``out_dir/report.json`` and run only the others.
+    resume: bool = False
 
     def as_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -164,7 +166,15 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
         backend={"name": spec.name, "version": spec.version},
         methods=list(methods), options=opts.as_dict(),
         command=" ".join(sys.argv), out_dir=str(out_dir) if out_dir else None)
+    done: dict[str, dict] = {}
+    if out_dir is not None and opts.resume and (Path(out_dir) / "report.json").is_file():
+        previous = EvalReport.from_json(Path(out_dir) / "report.json")
+        done = {c["name"]: c for c in previous.cases}
+        report.cases.extend(previous.cases)
+        _log(progress, f"resuming {out_dir}: {len(done)} case(s) already done")
     for i, case in enumerate(suite_obj.cases):
+        if case.name in done:
+            continue
         _log(progress, f"case {i + 1}/{len(suite_obj.cases)}: {case.name}")
         report.cases.append(evaluate_case(case, lm, spec, list(methods), opts, progress,
                                           out_dir=Path(out_dir) if out_dir else None))

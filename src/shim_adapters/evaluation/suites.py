@@ -12,7 +12,7 @@ A suite file (JSON or TOML) looks like::
     stop_at_newline = false           # optional: a newline also ends the output
 
 Built-in suites: ``fast`` (the four built-in grammars with the shipped LM's prompts),
-``binary5``, ``json``, ``sql``, ``bv4`` and ``spider``. ``bv4`` and ``spider`` read the
+``binary5``, ``json``, ``sql``, ``bv4``, ``slia``, ``cp`` and ``spider``. ``bv4`` and ``spider`` read the
 benchmark data from ``data_dir`` at run time (``.../BV4``: ``*.ebnf`` + ``*.txt`` 3-shot prompt;
 ``.../spider``: ``grammar.lark`` + ``instance_*.txt``); without it they fall back to the
 built-in grammar of the same domain. Benchmark data is never copied into the repository.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 
-BUILTIN_SUITES = ("fast", "binary5", "json", "sql", "bv4", "spider")
+BUILTIN_SUITES = ("fast", "binary5", "json", "sql", "bv4", "slia", "cp", "spider")
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -75,22 +75,49 @@ def _builtin_case(name: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Ev
                     max_new_tokens=max_new_tokens, exact=(name == "binary5"))
 
 
-def bv4_suite(data_dir: str | Path) -> Suite:
-    """The BV4 SyGuS problems: each ``X.ebnf`` with its 3-shot prompt ``X.txt``."""
+def _ebnf_problem_suite(name: str, data_dir: str | Path, *, max_new_tokens: int,
+                        prune_undefined: bool = False) -> Suite:
+    """Problems given as ``X.ebnf`` grammar + ``X.txt`` few-shot prompt (one-line answers)."""
+    from ..grammar_transforms import prune_undefined_rules
+
     root = Path(data_dir)
     grammars = sorted(root.glob("*.ebnf"))
     if not grammars:
-        raise FileNotFoundError(f"{root}: no *.ebnf grammars (expected the BV4 benchmark "
-                                f"directory: one X.ebnf + X.txt per problem)")
-    cases = []
+        raise FileNotFoundError(f"{root}: no *.ebnf grammars (expected the {name.upper()} "
+                                f"benchmark directory: one X.ebnf + X.txt per problem)")
+    cases, notes = [], []
     for path in grammars:
         prompt = path.with_suffix(".txt")
         if not prompt.is_file():
             raise FileNotFoundError(f"{path}: no prompt file {prompt.name} next to it")
-        grammar = Grammar(text=path.read_text(), format="ebnf", name=path.stem)
-        cases.append(EvalCase(path.stem, grammar, prompt.read_text(), max_new_tokens=64,
-                              stop_at_newline=True))
-    return Suite("bv4", tuple(cases), f"builtin:bv4:{root}")
+        text = path.read_text()
+        if prune_undefined:
+            text, pruned = prune_undefined_rules(text, source=str(path))
+            if pruned.changed:
+                notes.append(f"{path.stem}: {pruned.summary()}")
+        grammar = Grammar(text=text, format="ebnf", name=path.stem)
+        cases.append(EvalCase(path.stem, grammar, prompt.read_text(),
+                              max_new_tokens=max_new_tokens, stop_at_newline=True))
+    return Suite(name, tuple(cases), f"builtin:{name}:{root}", tuple(notes))
+
+
+def bv4_suite(data_dir: str | Path) -> Suite:
+    """The BV4 SyGuS problems: each ``X.ebnf`` with its 3-shot prompt ``X.txt``."""
+    return _ebnf_problem_suite("bv4", data_dir, max_new_tokens=64)
+
+
+def slia_suite(data_dir: str | Path) -> Suite:
+    """The SLIA SyGuS string problems (grammar-aligned decoding benchmark)."""
+    return _ebnf_problem_suite("slia", data_dir, max_new_tokens=96)
+
+
+def cp_suite(data_dir: str | Path) -> Suite:
+    """Constituency parsing (Penn-Treebank brackets), one sentence-specific grammar each.
+
+    The distributed grammars refer to rules they never define at their depth limit; the
+    alternatives that use them can never complete, so they are pruned (an explicit transform,
+    listed in the suite's notes), which keeps the intended language."""
+    return _ebnf_problem_suite("cp", data_dir, max_new_tokens=128, prune_undefined=True)
 
 
 def spider_suite(data_dir: str | Path) -> Suite:
@@ -115,6 +142,11 @@ def builtin_suite(name: str, data_dir: str | Path | None = None) -> Suite:
                      "builtin:fast")
     if name == "bv4" and data_dir is not None:
         return bv4_suite(data_dir)
+    if name in ("slia", "cp"):
+        if data_dir is None:
+            raise ValueError(f"suite {name!r} reads the benchmark data: pass its directory "
+                             f"(e.g. --data-dir ../shared/benchmarks/{name.upper()})")
+        return slia_suite(data_dir) if name == "slia" else cp_suite(data_dir)
     if name == "spider" and data_dir is not None:
         return spider_suite(data_dir)
     grammar = {"spider": "sql"}.get(name, name)

@@ -1,0 +1,79 @@
+"""The benchmark matrix on a real LM: every problem of BV4, SLIA, CP and Spider, resumable.
+
+One report folder per suite under ``--out`` (default ``reports/smollm2-matrix``); each problem is
+one ``run_eval`` case written as soon as it completes, and a rerun skips the problems already
+in the folder's ``report.json``, so the matrix is filled over several sessions. Problems are
+taken round-robin across the suites (problem 1 of each suite, then problem 2, ...) so that every
+suite is covered early. Fidelity is the importance-sampled KL over a mixture of the methods'
+own proposals (valid at any P(L)), beside the rejection-based one where valid draws exist.
+
+    python benchmarks/real_lm_matrix.py --data /work/shared/benchmarks --hours 1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+SUITES = {  # suite -> (data folder, backend)
+    "bv4": ("BV4", "xgrammar"),
+    "slia": ("SLIA", "xgrammar"),
+    "cp": ("CP", "xgrammar"),
+    "spider": ("spider", "syncode"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shim_adapters.evaluation import run_eval
+    from shim_adapters.evaluation.runner import EvalReport
+    from shim_adapters.evaluation.suites import load_suite
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="the benchmarks folder (BV4/, SLIA/, ...)")
+    p.add_argument("--out", default="reports/smollm2-matrix")
+    p.add_argument("--lm", default="smollm2")
+    p.add_argument("--suites", default=",".join(SUITES))
+    p.add_argument("--hours", type=float, default=2.0, help="stop starting problems after this")
+    p.add_argument("--n-samples", type=int, default=500, help="unconstrained draws (cut)")
+    p.add_argument("--n-train", type=int, default=400, help="SHIM's LM samples (<= 1000)")
+    p.add_argument("--mixture-samples", type=int, default=64)
+    p.add_argument("--asap-samples", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--target", default="auto")
+    p.add_argument("--spider-limit", type=int, default=4)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    start = time.time()
+    queues = {}
+    for suite in a.suites.split(","):
+        folder, backend = SUITES[suite]
+        cases = [c.name for c in load_suite(suite, Path(a.data) / folder).cases]
+        if suite == "spider":
+            cases = cases[: a.spider_limit]
+        out = Path(a.out) / suite
+        done = set()
+        if (out / "report.json").is_file():
+            done = {c["name"] for c in EvalReport.from_json(out / "report.json").cases}
+        queues[suite] = (backend, [c for c in cases if c not in done], out)
+    while any(q[1] for q in queues.values()):
+        for suite, (backend, todo, out) in queues.items():
+            if not todo:
+                continue
+            if time.time() - start > a.hours * 3600:
+                print(f"time budget of {a.hours} h spent; rerun to resume", flush=True)
+                return 0
+            case = todo.pop(0)
+            run_eval(suite, a.lm, backend, n_samples=a.n_samples, out_dir=out, progress=True,
+                     data_dir=str(Path(a.data) / SUITES[suite][0]), cases=(case,),
+                     n_train=a.n_train, cut_draws=True, asap_samples=a.asap_samples,
+                     asap_batch_size=20, asap_checkpoints=(0, 20, 100), timing_samples=0,
+                     n_bootstrap=200, batch_size=64, target=a.target, rounds=a.rounds,
+                     mixture_samples=a.mixture_samples, resume=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
