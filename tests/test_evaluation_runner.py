@@ -115,3 +115,34 @@ def test_fast_profile(tmp_path):
             kl = case["methods"][method]["kl"]["kl"]
             assert math.isfinite(kl) and kl >= 0, (case["name"], method)
         assert case["support"]["size"] >= (17 if case["name"] == "binary5" else 50), case["name"]
+
+
+def test_rarely_valid_case_is_measured_by_importance_sampling(tmp_path):
+    """The shipped LM answers this prompt with binary digits, so bv4 is never valid in its
+    unconstrained draws: rejection has nothing to show and says so, the controller is fitted on
+    rollout labels, and the KL is still measured on the methods' own weighted samples."""
+    suite = tmp_path / "rare.json"
+    suite.write_text(json.dumps({"name": "rare", "cases": [
+        {"name": "bv4-binary-prompt", "grammar": "bv4", "max_new_tokens": 48,
+         "prompt": "Generate a binary string of length 5:\n"}]}))
+    report = run_eval(str(suite), None, "xgrammar", methods=["masking", "lr_full", "rejection"],
+                      n_samples=60, n_train=60, target="auto", mixture_samples=24,
+                      timing_samples=0, n_bootstrap=20, progress=False,
+                      out_dir=tmp_path / "out")
+    case = report.cases[0]
+    assert case["support"]["valid_draws"] == 0
+    rej = case["methods"]["rejection"]
+    assert rej["kl"] is None and "not measurable" in rej["note"]
+    assert case["methods"]["lr_full"]["target"] == "rollout"
+    imp = case["importance"]
+    assert imp["draws_per_proposal"] == {"lm": 60, "masking": 24, "lr_full": 24}
+    assert imp["p_valid"] < 1e-3 and set(imp["kl"]) == {"masking", "lr_full"}
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "by importance sampling" in text
+    assert ("not measurable (ESS" in text) == (imp["ess"] < 10)
+    # resuming keeps the finished case and runs nothing again
+    again = run_eval(str(suite), None, "xgrammar", methods=["masking", "lr_full", "rejection"],
+                     n_samples=60, n_train=60, mixture_samples=24, timing_samples=0,
+                     progress=False, out_dir=tmp_path / "out", resume=True)
+    assert [c["name"] for c in again.cases] == ["bv4-binary-prompt"]
+    assert again.cases[0]["importance"]["ess"] == imp["ess"]

@@ -18,7 +18,7 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_\-.]*")
 class PruneReport:
     """What :func:`prune_undefined_rules` removed."""
 
-    undefined: list[str] = field(default_factory=list)
+    undefined: list[str] = field(default_factory=list)  #: names used but never defined
     removed_alternatives: int = 0
     emptied_rules: list[str] = field(default_factory=list)
 
@@ -119,7 +119,8 @@ def prune_undefined_rules(text: str, source: str = "<grammar>") -> tuple[str, Pr
                 else:
                     keep.append(alt)
             rules[name] = keep
-        report.undefined = sorted(set(report.undefined) | undefined)
+        if not report.undefined:  # the grammar's own undefined names (later: emptied rules)
+            report.undefined = sorted(undefined)
         empty = [n for n, alts in rules.items() if not alts and n in defined]
         if not empty:
             break
