@@ -315,8 +315,7 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
                          allowed_min_prob: float | None = 1e-8,
                          allowed_max_stored: int | None = 4096,
                          progress: bool = True, proposal: str = "lm", controller=None,
-                         defensive: float = 0.0, prefilled=None, cut: bool = True
-                         ) -> TrainingData:
+                         defensive: float = 0.0, prefilled=None) -> TrainingData:
     """Draw ``n_samples`` completions of ``prompt`` with the sampling engine and replay them.
 
     ``proposal``: ``"lm"`` (unconstrained, the paper's data: every row labelled by final
@@ -324,10 +323,11 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
     ``"shim"`` (masked decoding corrected by ``controller``, optionally mixed with masking by
     ``defensive``). Masked and SHIM completions only emit strings of L, so the importance ratio
     p/q of each suffix (``row_proposal_logprob`` against ``row_lm_logprob``) gives every row a
-    soft label (:mod:`shim_adapters.targets`). ``cut`` (unconstrained only): a completion stops
-    at the masker's first refusal, where it can no longer be valid; this saves most of the LM's
-    work when the LM is rarely valid, at the price of not counting valid strings the masker
-    wrongly refuses (``masker_rejected_valid`` then covers the uncut completions only).
+    soft label (:mod:`shim_adapters.targets`). An unconstrained completion stops at the masker's
+    first refusal, where it can no longer be valid and its later rows carry nothing for the
+    controller; this saves most of the LM's work when the LM is rarely valid, at the price of
+    not counting valid strings the masker wrongly refuses (``masker_rejected_valid`` covers the
+    uncut completions only; the conformance suite is where masker bugs are hunted).
 
     ``lm`` is a :class:`shim_adapters.lm.LoadedLM`; ``prefilled`` may hand in the prompt's
     :class:`~shim_adapters.sampling.PrefilledPrompt` (the prompt then is its text).
@@ -363,9 +363,6 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
                    batch_size=batch_size, generator=gen, recorder=recorder, progress=progress,
                    progress_label=f"sampling completions ({proposal})")
     sample_seconds = time.perf_counter() - t0
-    if not cut and not masked:
-        raise ValueError("cut=False is not supported: rows after the masker's first refusal "
-                         "carry no information for the controller")
 
     comp_tokens = drawn.token_ids
     truncated = np.array([not (t and t[-1] in eos) for t in comp_tokens], dtype=bool)
@@ -391,7 +388,7 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
     sampling = {"proposal": proposal, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                 "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
                 "allowed_min_prob": allowed_min_prob, "allowed_max_stored": allowed_max_stored,
-                "cut_at_first_refusal": bool(not masked and cut)}
+                "cut_at_first_refusal": not masked}
     if controller is not None:
         sampling["controller"] = {"kind": controller.kind,
                                   "beta": float(getattr(controller, "beta_", float("nan"))),
