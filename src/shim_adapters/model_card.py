@@ -75,6 +75,7 @@ def model_card(manifest: Mapping[str, Any], capability=None) -> str:
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` so a reader sees the old file or the new one, never half."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
