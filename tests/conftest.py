@@ -78,6 +78,17 @@ def benchmark_data(request) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_compile_cache(tmp_path_factory):
+    """Compiled grammars go to a per-run cache, never the user's ~/.cache."""
+    if "SHIM_CACHE_DIR" not in os.environ:
+        os.environ["SHIM_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile-cache"))
+        yield
+        del os.environ["SHIM_CACHE_DIR"]
+    else:
+        yield
+
+
 @pytest.fixture(scope="session")
 def shipped_lm():
     from shim_adapters.lm import load_lm
