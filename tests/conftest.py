@@ -60,9 +60,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if skipped:
         notes.append(f"{len(skipped)} benchmark_data tests skipped: {NO_BENCHMARK_DATA}")
     deselected = len(terminalreporter.stats.get("deselected", []))
-    markexpr = config.getoption("-m")
-    if deselected and markexpr:
-        notes.append(f"{deselected} tests deselected by -m {markexpr!r} (run them with -m slow)")
+    filters = [f"{opt} {config.getoption(opt)!r}" for opt in ("-m", "-k")
+               if config.getoption(opt)]
+    if deselected and filters:
+        hint = " (the slow ones run with -m slow)" if "slow" in str(config.getoption("-m")) else ""
+        notes.append(f"{deselected} tests deselected by {' and '.join(filters)}{hint}")
     if notes:
         terminalreporter.write_sep("-", "not run")
         for note in notes:

@@ -168,3 +168,11 @@ def test_eval_one_case_from_files(files):
     assert [c["name"] for c in report["cases"]] == ["g"]
     bad = run("eval", "--suite", "fast", "--grammar", files / "g.lark")
     assert bad.exit_code == 2 and "give --suite S" in bad.stderr
+
+
+def test_explain_says_why_a_token_is_refused(files):
+    result = run("explain", "--grammar", files / "g.lark", "--after", "a", "--token", "a")
+    assert result.exit_code == 0, result.stderr
+    assert "'a': refused (no terminal the state expects" in result.stdout
+    bad = run("explain", "--grammar", files / "g.lark", "--after", "b", "--token", "a")
+    assert bad.exit_code == 2 and "is not a prefix of the language" in bad.stderr

@@ -444,6 +444,42 @@ def check_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt
         raise UserError(f"{setup.spec.name} rejects {', '.join(e.construct for e in report.rejected)}")
 
 
+@main.command("explain")
+@_grammar_options
+@click.option("--controller", "controller_dir", default=None,
+              help="Artefact from `shim fit`: also show γ̂ and the features behind it.")
+@click.option("--after", "prefix", default="", help="Output text generated so far.")
+@click.option("--token", "token", required=True,
+              help="Token id, or text (its first token under the LM's tokenizer).")
+def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                    prompt_file_alias, prompt_text, controller_dir, prefix, token) -> None:
+    """Why a token is allowed or refused after --after TEXT, and its γ̂ under a controller."""
+    from .artefact import load_controller
+    from .explain import explain
+    from .lm import load_lm
+
+    setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                   prompt_file_alias, prompt_text, controller_dir, need_prompt=False)
+    lm = load_lm(lm_spec)
+    masker = _compile(setup, lm)
+    controller = load_controller(controller_dir, masker, lm)[0] if controller_dir else None
+    state = masker.new_state()
+    for step, tid in enumerate(lm.tokenizer.encode(prefix, add_special_tokens=False)):
+        if not state.allowed_mask()[tid]:
+            raise UserError(f"--after {prefix!r}: token {step} ({masker.token_text(tid)!r}) is "
+                            f"refused there, so the text is not a prefix of the language")
+        state.advance(tid)
+    if token.lstrip("-").isdigit():
+        token_id = int(token)
+    else:
+        ids = lm.tokenizer.encode(token, add_special_tokens=False)
+        if not ids:
+            raise UserError(f"--token {token!r}: encodes to no token")
+        token_id = ids[0]
+    for line in explain(state, token_id, controller).lines():
+        click.echo(line)
+
+
 @main.command("eval")
 @click.option("--suite", default=None,
               help="fast, binary5, json, sql, bv4, spider, or a suite file (.json/.toml); or "
