@@ -59,6 +59,9 @@ def test_report_names_every_construct_the_backend_does_not_enforce(backend):
     where = {(e.where, e.construct) for e in report.entries}
     assert ("/properties/tags", "uniqueItems") in where
     assert "uniqueItems" in report.markdown() and report.as_dict()["enforced"] is False
+    inner = {(e.where, e.construct): e for e in report.entries}
+    assert inner[("/properties/id/not", "const")].support is Support.POST_CHECK  # inside `not`
+    assert inner[("/if/properties/kind", "const")].note == "inside if at /"
 
 
 def test_syncode_rejects_the_schema_format():

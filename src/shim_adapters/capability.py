@@ -143,6 +143,24 @@ class CapabilityReport:
         return "\n".join(lines)
 
 
+def _inherit_from_applicators(entries: list[ConstructReport]) -> list[ConstructReport]:
+    """A construct inside an applicator the mask ignores (``not``, ``if``, ...) is not
+    enforced either, whatever the backend does with it elsewhere."""
+    weak = [(f"{e.where.rstrip('/')}/{e.construct}", e) for e in entries
+            if e.support in (Support.POST_CHECK, Support.REJECTED) and e.construct in _SUBSCHEMA
+            | _SCHEMA_MAP | _SCHEMA_LIST]
+    out = []
+    for e in entries:
+        for prefix, outer in weak:
+            if (e.where == prefix or e.where.startswith(prefix + "/")) and \
+                    e.support in (Support.EXACT, Support.LOWERED):
+                e = ConstructReport(e.where, e.construct, outer.support,
+                                    f"inside {outer.construct} at {outer.where}")
+                break
+        out.append(e)
+    return out
+
+
 class StrictModeError(UnsupportedGrammarError):
     """Strict mode: the backend cannot enforce every construct of the grammar."""
 
@@ -189,6 +207,7 @@ def capability_report(grammar: Grammar, spec) -> CapabilityReport:
             except (StopIteration, ShimError) as exc:
                 entries.append(ConstructReport("/", f"format:{grammar.format}",
                                                Support.REJECTED, str(exc)))
+    entries = _inherit_from_applicators(entries)
     if any(e.support is Support.POST_CHECK for e in entries):
         notes.append("outputs are validated against the full schema after generation and "
                      "violators are marked (validate_output); --strict refuses instead")
