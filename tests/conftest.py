@@ -1,8 +1,15 @@
-"""Shared fixtures: the shipped LM (loaded once) and the example plugin from docs/."""
+"""Shared fixtures: the shipped LM (loaded once), the example plugin from docs/, and the
+benchmark data (BV4, Spider), which is not part of the repository.
+
+Tests that read the benchmark data carry the ``benchmark_data`` marker and take its location
+from ``--benchmark-data DIR`` or ``SHIM_BENCHMARK_DATA``; without either they are skipped with
+that reason and the run's summary says how many and why (a fresh clone passes; ``.ci/run`` sets
+the variable when ``../shared/benchmarks`` is beside the checkout)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +18,77 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
+
+BENCHMARK_ENV = "SHIM_BENCHMARK_DATA"
+NO_BENCHMARK_DATA = (f"needs the benchmark data: pass --benchmark-data DIR or set {BENCHMARK_ENV} "
+                     "(the directory holding BV4/, spider/, example/)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--benchmark-data", metavar="DIR", default=os.environ.get(BENCHMARK_ENV),
+                     help="Directory of the benchmark data (BV4/, spider/, example/); default "
+                          f"${BENCHMARK_ENV}. Tests marked benchmark_data are skipped without it.")
+
+
+def _benchmark_dir(config) -> Path | None:
+    value = config.getoption("--benchmark-data")
+    return Path(value).expanduser().resolve() if value else None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "benchmark_data: reads the BV4/Spider benchmark data "
+                                       "(--benchmark-data DIR or SHIM_BENCHMARK_DATA)")
+    path = _benchmark_dir(config)
+    if path is not None and not path.is_dir():
+        raise pytest.UsageError(f"--benchmark-data / {BENCHMARK_ENV}: {path} is not a directory")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _benchmark_dir(config) is not None:
+        return
+    skip = pytest.mark.skip(reason=NO_BENCHMARK_DATA)
+    for item in items:
+        if item.get_closest_marker("benchmark_data") is not None:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say what this run did not run and why (deselected markers, missing benchmark data)."""
+    notes = []
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if getattr(r, "longrepr", None) and NO_BENCHMARK_DATA in str(r.longrepr)]
+    if skipped:
+        notes.append(f"{len(skipped)} benchmark_data tests skipped: {NO_BENCHMARK_DATA}")
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    filters = [f"{opt} {config.getoption(opt)!r}" for opt in ("-m", "-k")
+               if config.getoption(opt)]
+    if deselected and filters:
+        hint = " (the slow ones run with -m slow)" if "slow" in str(config.getoption("-m")) else ""
+        notes.append(f"{deselected} tests deselected by {' and '.join(filters)}{hint}")
+    if notes:
+        terminalreporter.write_sep("-", "not run")
+        for note in notes:
+            terminalreporter.write_line(note)
+
+
+@pytest.fixture(scope="session")
+def benchmark_data(request) -> Path:
+    """The benchmark data directory; only tests marked ``benchmark_data`` may ask for it."""
+    path = _benchmark_dir(request.config)
+    if path is None:  # a test that asks for it without the marker is a bug in the test
+        raise RuntimeError("a test uses the benchmark_data fixture without the benchmark_data marker")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_compile_cache(tmp_path_factory):
+    """Compiled grammars go to a per-run cache, never the user's ~/.cache."""
+    if "SHIM_CACHE_DIR" not in os.environ:
+        os.environ["SHIM_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile-cache"))
+        yield
+        del os.environ["SHIM_CACHE_DIR"]
+    else:
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,4 +143,68 @@ def test_other_lm_revision_is_refused(saved, masker, lm):
     assert err.value.field == "lm_revision"
     # without an LM only grammar/tokenizer/backend are checked
     loaded, _ = load_controller(saved, masker)
+    assert loaded.kind == "LR_FULL"
+
+
+def test_refit_replaces_the_artefact_and_leaves_one_weights_file(saved, fitted, masker, lm):
+    _, ctrl = fitted
+    first = json.loads((saved / MANIFEST_FILE).read_text())
+    second = save_controller(saved, ctrl["MLP"], masker, lm, prompt="p")
+    assert second["weights_file"] != first["weights_file"]
+    assert sorted(p.name for p in saved.iterdir()) == sorted([MANIFEST_FILE,
+                                                              second["weights_file"]])
+    assert load_controller(saved, masker, lm)[0].kind == "MLP"
+    third = save_controller(saved, ctrl["LR_NT"], masker, lm, prompt="p")
+    assert third["weights_file"] == WEIGHTS_FILE
+    assert load_controller(saved, masker, lm)[0].kind == "LR_NT"
+
+
+@pytest.mark.parametrize("where", ["weights", "manifest"])
+def test_interrupted_refit_leaves_the_previous_artefact_loadable(saved, fitted, masker, lm,
+                                                                 monkeypatch, where):
+    import os
+
+    from shim_adapters import artefact
+
+    _, ctrl = fitted
+    real_replace = os.replace
+
+    def interrupted(src, dst):
+        if (where == "manifest") == (Path(dst).name == MANIFEST_FILE):
+            raise KeyboardInterrupt  # the user hits Ctrl-C mid-write
+        real_replace(src, dst)
+
+    monkeypatch.setattr(artefact.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_controller(saved, ctrl["MLP"], masker, lm, prompt="p")
+    monkeypatch.undo()
+    loaded, _ = load_controller(saved, masker, lm)
+    assert loaded.kind == "LR_FULL"
+    assert not [p for p in saved.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_weights_file_outside_the_artefact_is_refused(saved, masker):
+    manifest = json.loads((saved / MANIFEST_FILE).read_text())
+    manifest["weights_file"] = "../elsewhere.safetensors"
+    from shim_adapters.artefact import _manifest_digest
+
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    (saved / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ArtefactCorruptedError, match="weights_file"):
+        load_controller(saved, masker)
+
+
+def test_calling_the_tokenizer_with_padding_keeps_its_identity(saved, lm):
+    """transformers switches the backend's padding/truncation on when the tokenizer is called
+    with padding=True / truncation=True; controllers fitted before must still load."""
+    from transformers import AutoTokenizer
+
+    from shim_adapters.lm import default_lm_path
+
+    tok = AutoTokenizer.from_pretrained(default_lm_path(), local_files_only=True)
+    before = tok.backend_tokenizer.to_str()
+    tok(["a", "bb b"], padding=True, truncation=True, max_length=3)
+    assert tok.backend_tokenizer.to_str() != before  # the call did change the serialisation
+    masker = get_backend(BACKEND).compile(builtin_grammar("bv4"), tok, lm.vocab_size)
+    loaded, _ = load_controller(saved, masker, lm)
     assert loaded.kind == "LR_FULL"

@@ -12,9 +12,8 @@ from shim_adapters.errors import GrammarError, UnsupportedGrammarError
 from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 from shim_adapters.grammar_convert import convert, ebnf_to_lark, lark_to_ebnf
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"  # ../shared beside the checkout
-EBNF_FILES = [BENCHMARKS / "BV4" / "find_inv_eq_bvand_4bit.ebnf",
-              BENCHMARKS / "example" / "binary_len_5_new.ebnf"]
+#: Benchmark EBNF files, relative to --benchmark-data / SHIM_BENCHMARK_DATA (see conftest.py).
+EBNF_FILES = ["BV4/find_inv_eq_bvand_4bit.ebnf", "example/binary_len_5_new.ebnf"]
 
 
 def earley(lark_text: str) -> lark.Lark:
@@ -55,9 +54,10 @@ def test_builtin_lark_round_trip_keeps_language(name):
     assert_same_language(earley(grammar.text), earley(back), GrammarSampler(grammar, seed=1))
 
 
-@pytest.mark.parametrize("path", EBNF_FILES, ids=lambda p: p.name)
-def test_benchmark_ebnf_round_trip_keeps_language(path):
-    grammar = load_grammar(path)
+@pytest.mark.benchmark_data
+@pytest.mark.parametrize("path", EBNF_FILES, ids=lambda p: Path(p).name)
+def test_benchmark_ebnf_round_trip_keeps_language(path, benchmark_data):
+    grammar = load_grammar(benchmark_data / path)
     as_lark = convert(grammar, "lark")
     assert as_lark.exact
     again = ebnf_to_lark(lark_to_ebnf(as_lark.grammar.text))

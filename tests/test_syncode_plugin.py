@@ -7,7 +7,6 @@ Tokenizers are small byte-level BPEs trained here on text of each built-in gramm
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import random
 import subprocess
 import sys
@@ -441,8 +440,7 @@ def test_canonical_tokenizations_are_allowed(backend, tokenizers, name):
 
 
 # ---- Spider: overlapping terminals need Earley-style (dynamic) lexing --------------------------
-SPIDER_GRAMMAR = (Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "spider"
-                  / "grammar.lark")  # ../shared beside the checkout
+SPIDER_GRAMMAR = "spider/grammar.lark"  # under --benchmark-data (see conftest.py)
 
 #: LM outputs the masker refused while the reference accepts them (basic lexing reads
 #: ``COUNT(`` as CNAME + "(" and so never as the AGGREGATION terminal), plus texts where
@@ -474,11 +472,12 @@ SPIDER_INVALID = (
 
 
 @pytest.fixture(scope="module")
-def spider():
+def spider(benchmark_data):
     from shim_adapters.lm import load_lm
 
-    assert SPIDER_GRAMMAR.is_file(), f"{SPIDER_GRAMMAR}: the shared Spider benchmark is missing"
-    grammar = Grammar(text=SPIDER_GRAMMAR.read_text(), format="lark", name="spider")
+    path = benchmark_data / SPIDER_GRAMMAR
+    assert path.is_file(), f"{path}: the Spider grammar is missing from the benchmark data"
+    grammar = Grammar(text=path.read_text(), format="lark", name="spider")
     tok = load_lm(None).tokenizer
     masker = get_backend("syncode").compile(grammar, tok, vocab_size=len(tok) + 7)
     return grammar, tok, masker
@@ -514,12 +513,14 @@ def _assert_mask_matches_advance(masker, state) -> int:
     return checked
 
 
+@pytest.mark.benchmark_data
 def test_spider_picks_dynamic_lexing(spider):
     _, _, masker = spider
     assert masker.compiled.lexing == "dynamic"
     assert masker.compiled.mask_store is None
 
 
+@pytest.mark.benchmark_data
 @pytest.mark.parametrize("text", SPIDER_VALID)
 def test_spider_reference_valid_outputs_are_accepted(spider, text):
     grammar, tok, masker = spider
@@ -527,6 +528,7 @@ def test_spider_reference_valid_outputs_are_accepted(spider, text):
     assert _accepts_tokens(masker, tok, text), text
 
 
+@pytest.mark.benchmark_data
 @pytest.mark.parametrize("text", SPIDER_INVALID)
 def test_spider_reference_invalid_outputs_are_refused(spider, text):
     grammar, tok, masker = spider
@@ -536,6 +538,7 @@ def test_spider_reference_invalid_outputs_are_refused(spider, text):
 
 @pytest.mark.parametrize("prefix", [" SELECT sum(", " SELECT COUNT(", " SELECT a FROM t",
                                     "SELECT COUNT(DIS", " SELECT a FROM t LEFT ", ""])
+@pytest.mark.benchmark_data
 def test_spider_mask_and_advance_agree(spider, prefix):
     """The mask allows a token exactly when advance() takes it (after ' SELECT sum(' the
     basic path allowed three spaces that advance() then rejected)."""
@@ -546,6 +549,7 @@ def test_spider_mask_and_advance_agree(spider, prefix):
     assert _assert_mask_matches_advance(masker, state) > 500
 
 
+@pytest.mark.benchmark_data
 def test_spider_random_walks_are_sound(spider):
     """Walks over allowed tokens: EOS only where the reference accepts; never stuck."""
     grammar, tok, masker = spider
@@ -574,13 +578,15 @@ def test_spider_random_walks_are_sound(spider):
 
 
 @pytest.mark.slow
-def test_spider_smollm2_outputs_are_accepted():
+@pytest.mark.benchmark_data
+def test_spider_smollm2_outputs_are_accepted(benchmark_data):
     """The reported refusals with SmolLM2's own tokenizer (49k tokens: ~30 s to load and
     compile, so only with -m slow), and three spaces after ' SELECT sum(' (token 333), which
     the basic path allowed and then rejected in advance()."""
     from shim_adapters.lm import load_lm
 
-    grammar = Grammar(text=SPIDER_GRAMMAR.read_text(), format="lark", name="spider")
+    grammar = Grammar(text=(benchmark_data / SPIDER_GRAMMAR).read_text(), format="lark",
+                      name="spider")
     lm = load_lm("smollm2")
     tok = lm.tokenizer
     masker = get_backend("syncode").compile(grammar, tok, vocab_size=lm.vocab_size)

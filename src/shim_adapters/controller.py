@@ -103,11 +103,26 @@ class Controller:
         self.min_target_samples = min_target_samples
 
     # ---- hyper-parameters -----------------------------------------------------------------
-    def get_params(self) -> dict[str, Any]:
-        return dict(reg_grid=list(self.reg_grid), beta_grid=list(self.beta_grid),
-                    n_splits=self.n_splits, parser_top_k=self.parser_top_k,
-                    min_cross_count=self.min_cross_count, random_state=self.random_state,
-                    min_gain_se=self.min_gain_se, min_target_samples=self.min_target_samples)
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """Constructor parameters, as scikit-learn's ``clone`` expects: the very objects
+        ``__init__`` stored (no nested estimators, so ``deep`` changes nothing)."""
+        import inspect
+
+        names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
+        return {name: getattr(self, name) for name in names}
+
+    def set_params(self, **params: Any) -> "Controller":
+        """Set constructor parameters (scikit-learn convention); unknown names are refused."""
+        valid = self.get_params()
+        unknown = sorted(set(params) - set(valid))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no parameter(s) {unknown}; valid: "
+                             f"{', '.join(valid)}")
+        merged = {**valid, **params}
+        fresh = type(self)(**merged)  # the constructor's own normalisation (grids -> tuples)
+        for name in params:
+            setattr(self, name, getattr(fresh, name))
+        return self
 
     def _new_encoder(self) -> FeatureEncoder:
         return FeatureEncoder(groups=self.feature_groups, parser_top_k=self.parser_top_k,
@@ -401,6 +416,21 @@ class Controller:
         p = 1.0 / (1.0 + np.exp(-self._logits(self.weights_, M)))
         return np.column_stack([1.0 - p, p])
 
+    def predict(self, X) -> np.ndarray:
+        """Class labels in the scikit-learn sense: 1 where γ̂ >= 0.5 (the continuation is
+        predicted to stay grammatical), else 0. X as for :meth:`predict_proba`."""
+        return (self.predict_proba(X)[:, 1] >= 0.5).astype(np.int64)
+
+    def score(self, X, y=None, sample_weight=None) -> float:
+        """Mean accuracy of :meth:`predict` (scikit-learn's classifier score). ``y``: 0/1 or
+        soft labels (rounded at 0.5); default ``X.row_label`` for a TrainingData."""
+        if y is None:
+            if not hasattr(X, "row_label"):
+                raise ValueError("score(X) needs y unless X is a TrainingData")
+            y = X.row_label
+        labels = (np.asarray(y, dtype=np.float64) >= 0.5).astype(np.int64)
+        return float(np.average(self.predict(X) == labels, weights=sample_weight))
+
     # ---- persistence hooks ----------------------------------------------------------------
     def learned_summary(self) -> dict[str, Any]:
         """Training statistics for the artefact manifest."""
@@ -486,10 +516,6 @@ class MLP(Controller):
         self.epochs = epochs
         self.batch_size = batch_size
         self.learning_rate = learning_rate
-
-    def get_params(self) -> dict[str, Any]:
-        return dict(super().get_params(), hidden=list(self.hidden), epochs=self.epochs,
-                    batch_size=self.batch_size, learning_rate=self.learning_rate)
 
     def _fit_model(self, rows: _Rows, reg: float, n_features: int) -> dict[str, np.ndarray]:
         import torch

@@ -122,6 +122,13 @@ class MaskerState(abc.ABC):
         parts.append(f"eos_allowed={self.eos_allowed()}")
         return " ".join(parts)
 
+    def explain(self, token_id: int, controller=None):
+        """Why ``token_id`` is allowed or refused here (and its γ̂ under ``controller``); see
+        :func:`shim_adapters.explain.explain`."""
+        from .explain import explain
+
+        return explain(self, token_id, controller)
+
     def _forbidden(self, token_id: int) -> ForbiddenTokenError:
         return ForbiddenTokenError(token_id, self.masker.token_text(token_id), self.step,
                                    self.describe())

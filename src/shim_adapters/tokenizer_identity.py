@@ -14,6 +14,22 @@ from dataclasses import dataclass
 _CACHE: "weakref.WeakKeyDictionary[object, TokenizerIdentity]" = weakref.WeakKeyDictionary()
 
 
+def _definition(backend) -> str:
+    """The tokenizer's serialised definition without its call-time settings: transformers
+    switches padding and truncation on in the backend whenever the tokenizer is called with
+    ``padding=True`` / ``truncation=True``, which changes no token and must not change the
+    identity (else every stored controller refuses to load afterwards)."""
+    text = backend.to_str()
+    if backend.padding is None and backend.truncation is None:
+        return text
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(text)
+    copy.no_padding()
+    copy.no_truncation()
+    return copy.to_str()
+
+
 @dataclass(frozen=True)
 class TokenizerIdentity:
     sha256: str
@@ -30,7 +46,7 @@ class TokenizerIdentity:
         digest = hashlib.sha256()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            digest.update(backend.to_str().encode())
+            digest.update(_definition(backend).encode())
         else:
             vocab = tokenizer.get_vocab()
             digest.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())

@@ -20,6 +20,17 @@ from .regex_masker import OutlinesCoreMasker
 
 GRAMMAR_FORMATS = ("lark", "ebnf", "regex", "json_schema")
 
+#: JSON-schema constructs as measured by shim_adapters.capability.probe_schema_support
+#: (tests/test_capability.py checks this table against the backend): outlines_core 0.2.14
+#: lowers a schema to a regex and drops the post-check ones (oneOf becomes anyOf); a
+#: lookaround in ``pattern`` does not compile.
+_EXACT = ("type", "enum", "const", "properties", "required", "additionalProperties", "items",
+          "minItems", "maxItems", "minLength", "maxLength", "pattern", "anyOf", "$ref")
+_POST_CHECK = ("minimum", "maximum", "multipleOf", "minProperties", "maxProperties", "not",
+               "dependentRequired", "uniqueItems", "if", "then", "else", "oneOf")
+SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _POST_CHECK},
+                  "pattern:lookaround": "rejected"}
+
 
 def create_masker(grammar: Grammar, tokenizer, vocab_size: int | None = None,
                   **options) -> Masker:
@@ -45,6 +56,8 @@ def backend_spec() -> BackendSpec:
         # Per-masker status is authoritative (Masker.feature_status); this is the CFG case.
         feature_status=dict(DERIVED_STATUS),
         create_masker=create_masker,
+        schema_support=SCHEMA_SUPPORT,
+        native_formats=("lark", "regex", "json_schema"),
         description=("outlines' engines: regex/json_schema via outlines_core (DFA state; "
                      f"{regex_status}); "
                      "lark/ebnf via llguidance (all three features derived by a shadow Lark "

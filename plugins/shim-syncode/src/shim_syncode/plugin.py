@@ -45,6 +45,7 @@ def register_backends(register):
         grammar_formats=_formats(),
         feature_status=FEATURE_STATUS,
         create_masker=create_masker,
+        native_formats=("lark",),
         description="SynCode 0.4.16: Lark LALR parser + per-terminal DFA mask store "
                     "(grammar_strict), re-lexing only from the last open lexeme",
     ))

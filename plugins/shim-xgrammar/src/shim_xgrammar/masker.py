@@ -62,6 +62,7 @@ def xgrammar_version() -> str:
 _COMPILERS: "OrderedDict[tuple, object]" = OrderedDict()
 _COMPILERS_LOCK = threading.Lock()
 _MAX_COMPILERS = 8
+_TOKENIZER_INFOS: dict[int, object] = {}
 
 
 def compiler_for(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
@@ -76,14 +77,36 @@ def compiler_for(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=list(stop_token_ids))
     compiler = xgr.GrammarCompiler(info)
+    _TOKENIZER_INFOS[id(compiler)] = info  # deserialising a cached grammar needs it
     with _COMPILERS_LOCK:
         _COMPILERS[key] = compiler
         while len(_COMPILERS) > _MAX_COMPILERS:
-            _COMPILERS.popitem(last=False)
+            _TOKENIZER_INFOS.pop(id(_COMPILERS.popitem(last=False)[1]), None)
     return compiler
 
 
 _LINE_COL = re.compile(r"line (\d+), column (\d+)")
+
+
+def _compile_cached(compiler, grammar: Grammar, ebnf_text: str | None, tokenizer,
+                    vocab_size: int, stop_token_ids) -> object:
+    """``_compile`` through the cross-process cache (shim_adapters.compile_cache), keyed on
+    the text XGrammar compiles, its version, the tokenizer content, width and stop ids."""
+    import xgrammar as xgr
+
+    from shim_adapters.compile_cache import cache_key, default_cache
+
+    info = _TOKENIZER_INFOS.get(id(compiler))
+    if info is None:
+        return _compile(compiler, grammar, ebnf_text)
+    compiled_text = grammar if grammar.format != "lark" else Grammar(ebnf_text, "ebnf",
+                                                                       grammar.name)
+    key = cache_key(compiled_text, "xgrammar", xgrammar_version(),
+                    TokenizerIdentity.of(tokenizer).sha256, vocab_size,
+                    {"stop_token_ids": sorted(int(t) for t in stop_token_ids)})
+    return default_cache().get_or_build(
+        key, lambda: _compile(compiler, grammar, ebnf_text), lambda c: c.serialize_json(),
+        lambda text: xgr.CompiledGrammar.deserialize_json(text, info))
 
 
 def _compile(compiler, grammar: Grammar, ebnf_text: str | None):
@@ -151,7 +174,8 @@ class XGrammarMasker(Masker):
                 warnings.warn(f"{grammar.name}: lowered for XGrammar: "
                               f"{'; '.join(converted.notes)}", stacklevel=2)
         self.compiler = compiler_for(tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        self.compiled = _compile(self.compiler, grammar, ebnf_text)
+        self.compiled = _compile_cached(self.compiler, grammar, ebnf_text, tokenizer,
+                                        self.vocab_size, self.eos_token_ids)
         self._xgr = xgr
         self._bitmask_shape = xgr.get_bitmask_shape(1, self.vocab_size)
         #: rule_id -> rule name, read from the compiled grammar's printed form (ids follow it).

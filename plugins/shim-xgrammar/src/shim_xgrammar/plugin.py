@@ -8,6 +8,17 @@ from shim_adapters.hookspecs import hookimpl
 from .masker import DECLARED_FEATURES, GRAMMAR_FORMATS, XGrammarMasker, xgrammar_version
 
 
+#: JSON-schema constructs as measured by shim_adapters.capability.probe_schema_support
+#: (tests/test_capability.py checks this table against the backend): XGrammar 0.2.9 compiles
+#: but does not enforce the post-check ones (oneOf is enforced as anyOf).
+_EXACT = ("type", "enum", "const", "properties", "required", "additionalProperties", "items",
+          "minItems", "maxItems", "minLength", "maxLength", "pattern", "anyOf", "$ref",
+          "minimum", "maximum", "multipleOf", "minProperties", "maxProperties")
+_POST_CHECK = ("not", "dependentRequired", "uniqueItems", "if", "then", "else",
+               "pattern:lookaround", "oneOf")
+SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _POST_CHECK}}
+
+
 @hookimpl
 def register_backends(register):
     register(BackendSpec(
@@ -18,4 +29,6 @@ def register_backends(register):
         create_masker=XGrammarMasker,
         description="XGrammar byte-level Earley masks; EBNF, JSON schema, regex natively, "
                     "Lark through shim_adapters.grammar_convert",
+        schema_support=SCHEMA_SUPPORT,
+        native_formats=("ebnf", "json_schema", "regex"),
     ))

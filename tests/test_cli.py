@@ -1,0 +1,178 @@
+"""The ``shim`` command on a user's own files: checked before the LM loads, one-line user
+errors with exit status 2, a model card beside the artefact, keywords passed through."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from shim_adapters import cli, lm as lm_module
+
+
+@pytest.fixture()
+def files(tmp_path):
+    (tmp_path / "g.lark").write_text('start: "a" "b"+\n')
+    (tmp_path / "p.txt").write_text("Say ab:\n")
+    (tmp_path / "schema.txt").write_text('{"type": "array", "uniqueItems": true}')
+    (tmp_path / "bad.lark").write_text('start: "a" b\n')
+    return tmp_path
+
+
+@pytest.fixture()
+def no_lm(monkeypatch):
+    """Loading the LM is a test failure: validation must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the LM was loaded before the user's input was checked")
+
+    monkeypatch.setattr(lm_module, "load_lm", refuse)
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, list(map(str, args)))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grammar", "{d}/nope.lark"], "--grammar {d}/nope.lark: no such file"),
+    (["--grammar", "{d}/schema.txt"], "add --format"),
+    (["--grammar", "{d}/bad.lark", "--prompt", "{d}/p.txt"], "line 1: Rule 'b' used but not"),
+    (["--grammar", "{d}/schema.txt", "--format", "json_schema", "--backend", "syncode"],
+     "--backend syncode does not take json_schema"),
+    (["--grammar", "{d}/g.lark", "--backend", "nosuch"], "no backend named 'nosuch'"),
+    (["--grammar", "{d}/g.lark", "--prompt", "{d}/missing.txt"], "--prompt {d}/missing.txt: no"),
+    (["--grammar", "{d}/g.lark", "--prompt", "{d}/p.txt", "--lm", "{d}/nolm"],
+     "--lm {d}/nolm: no such model"),
+    (["--grammar", "{d}/g.lark", "--prompt", "{d}/p.txt", "--controller", "{d}"],
+     "no manifest.json"),
+    (["--grammar", "{d}/g.lark", "-n", "0"], "0 is not in the range x>=1"),
+    (["--grammar", "{d}/schema.txt", "--format", "json_schema", "--backend", "xgrammar",
+      "--strict", "--prompt-text", "x"], "strict mode: xgrammar cannot enforce uniqueItems"),
+    (["--grammar", "{d}/g.lark"], "has no built-in prompt: pass --prompt FILE"),
+])
+def test_sample_user_errors_are_one_line_exit_2_before_the_lm_loads(files, no_lm, args,
+                                                                      message):
+    result = run("sample", *(a.format(d=files) for a in args))
+    assert result.exit_code == 2, result.output
+    assert message.format(d=files) in result.stderr
+    if "range" not in message:  # click's own usage errors keep click's layout
+        assert result.stderr.startswith("shim sample: error: ")
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_internal_error_is_one_line_and_debug_shows_the_traceback(files, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(lm_module, "load_lm", broken)
+    args = ["sample", "--grammar", files / "g.lark", "--prompt", files / "p.txt"]
+    plain = run(*args)
+    assert plain.exit_code == 1
+    assert plain.stderr.strip() == ("shim sample: internal error: RuntimeError: boom (rerun "
+                                    "with --debug for the traceback)")
+    debug = run("--debug", *args)
+    assert debug.exit_code == 1 and "Traceback" in debug.stderr and "boom" in debug.stderr
+
+
+def test_check_prints_the_capability_report_without_an_lm(files, no_lm):
+    result = run("check", "--grammar", files / "schema.txt", "--format", "json_schema",
+                 "--backend", "outlines", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {"where": "/", "construct": "uniqueItems", "support": "post-check",
+            "note": ""} in report["constructs"]
+    assert "does not enforce uniqueItems" in result.stderr
+
+
+def _fake_fit(calls):
+    def fit_controller(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *,
+                       output_dir=None, max_new_tokens=128, seed=0, target="auto", rounds=1,
+                       chat=False, **kw):
+        calls.append({"prompt": prompt, "target": target, "rounds": rounds, "chat": chat,
+                      "n_samples": n_samples})
+        return None, {"grammar_name": masker.grammar.name, "backend": masker.backend_name,
+                      "training": {"heldout_kl_gain": 0.5, "heldout_kl_gain_se": 0.1,
+                                   "falls_back_to_masking": False, "decision": "helps"},
+                      "controller": {"kind": kind, "beta": 1.0}}
+    return fit_controller
+
+
+def test_fit_passes_target_rounds_and_chat_through(files, monkeypatch):
+    from shim_adapters import controller
+
+    calls = []
+    monkeypatch.setattr(controller, "fit_controller", _fake_fit(calls))
+    result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
+                 files / "art", "--target", "auto", "--rounds", "3", "--chat",
+                 "--n-samples", "7")
+    assert result.exit_code == 0, result.stderr
+    assert calls == [{"prompt": "Say ab:\n", "target": "auto", "rounds": 3, "chat": True,
+                      "n_samples": 7}]
+    assert "held-out KL gain over masking: 0.5 ± 0.1 nats" in result.stdout
+    assert (files / "art" / "MODEL_CARD.md").is_file()
+
+
+def test_fit_refuses_a_flag_this_build_does_not_take(files, monkeypatch):
+    from shim_adapters import controller
+
+    def old_fit(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *, output_dir=None,
+                max_new_tokens=128, seed=0, target="final"):
+        raise AssertionError("must not be called")
+
+    monkeypatch.setattr(controller, "fit_controller", old_fit)
+    result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
+                 files / "art", "--chat")
+    assert result.exit_code == 2
+    assert "--chat is not supported by this version" in result.stderr
+
+
+def test_fit_then_sample_with_the_controller(files):
+    art = files / "art"
+    fit = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out", art,
+              "--n-samples", "40", "--max-new-tokens", "8", "--target", "rollout")
+    assert fit.exit_code == 0, fit.stderr
+    assert fit.stdout.splitlines()[0].startswith("fitted LR_FULL for grammar g.lark on syncode")
+    assert "decision: " in fit.stdout and len(fit.stdout.splitlines()) <= 6
+    card = (art / "MODEL_CARD.md").read_text()
+    assert "## Fitted on" in card and "Say ab:" in card and "held-out KL gain" in card
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["training"]["decision"] in card
+    sample = run("sample", "--grammar", files / "g.lark", "--prompt", files / "p.txt",
+                 "--controller", art, "-n", "3", "--max-new-tokens", "8", "--seed", "0")
+    assert sample.exit_code == 0, sample.stderr
+    rows = [json.loads(line) for line in sample.stdout.splitlines()]
+    assert len(rows) == 3 and all(set(r) >= {"text", "complete", "valid"} for r in rows)
+    assert all(r["valid"] == (r["complete"] and r["text"].startswith("a")) for r in rows)
+    wrong = run("sample", "--grammar", "binary5", "--controller", art)
+    assert wrong.exit_code == 2 and "fitted for grammar 'g.lark'" in wrong.stderr
+
+
+def test_sample_marks_incomplete_outputs(files):
+    result = run("sample", "--grammar", files / "g.lark", "--prompt-text", "Say ab:\n", "-n",
+                 "2", "--max-new-tokens", "1", "--seed", "0")
+    assert result.exit_code == 0, result.stderr
+    for row in map(json.loads, result.stdout.splitlines()):
+        assert row["complete"] is False and row["valid"] is False
+        assert "incomplete: hit --max-new-tokens 1" in row["problems"][0]
+
+
+def test_eval_one_case_from_files(files):
+    out = files / "eval"
+    result = run("eval", "--grammar", files / "g.lark", "--prompt", files / "p.txt",
+                 "--methods", "masking", "--n-samples", "30", "--timing-samples", "2",
+                 "--n-bootstrap", "10", "--max-new-tokens", "8", "--backend", "syncode",
+                 "--out", out)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in report["cases"]] == ["g"]
+    bad = run("eval", "--suite", "fast", "--grammar", files / "g.lark")
+    assert bad.exit_code == 2 and "give --suite S" in bad.stderr
+
+
+def test_explain_says_why_a_token_is_refused(files):
+    result = run("explain", "--grammar", files / "g.lark", "--after", "a", "--token", "a")
+    assert result.exit_code == 0, result.stderr
+    assert "'a': refused (no terminal the state expects" in result.stdout
+    bad = run("explain", "--grammar", files / "g.lark", "--after", "b", "--token", "a")
+    assert bad.exit_code == 2 and "is not a prefix of the language" in bad.stderr
