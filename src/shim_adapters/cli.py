@@ -506,7 +506,7 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
 @click.option("--asap-batch-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="ASAp samples drawn between trie updates.")
 @click.option("--asap-checkpoints", default="0,10,30,100", show_default=True)
-@click.option("--timing-samples", default=20, show_default=True, type=click.IntRange(min=1))
+@click.option("--timing-samples", default=20, show_default=True, type=click.IntRange(min=0))
 @click.option("--n-bootstrap", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-new-tokens", default=None, type=click.IntRange(min=1),
               help="Override each case's max_new_tokens.")
@@ -518,15 +518,22 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
 @click.option("--limit", default=None, type=click.IntRange(min=1),
               help="Run only the first N cases.")
 @click.option("--target", type=click.Choice(["auto", "final", "rollout", "bootstrap"]),
-              default="final", show_default=True, help="SHIM training labels.")
+              default="auto", show_default=True, help="SHIM training labels.")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Iterated SHIM refits on the controller's own rollouts (same budget).")
+@click.option("--mixture-samples", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Samples per masked method for the importance-sampled KL (measurable at "
+                   "any P(L)); 0: rejection-based KL only.")
+@click.option("--resume", is_flag=True,
+              help="Keep the cases already in OUT/report.json and run only the others.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", "out_dir", default="runs/eval", show_default=True,
               type=click.Path(file_okay=False))
 def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, exact,
                  stop_at_newline, data_dir, lm_spec, backend, methods, n_samples, n_train,
                  asap_samples, asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
-                 max_new_tokens, batch_size, cut_draws, threads, cases, limit, target, seed,
-                 out_dir) -> None:
+                 max_new_tokens, batch_size, cut_draws, threads, cases, limit, target, rounds,
+                 mixture_samples, resume, seed, out_dir) -> None:
     """KL to the grammar-conditioned target and time per sample, per method and case."""
     from .evaluation import METHODS
     from .evaluation.report import markdown
@@ -568,7 +575,8 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, 
                       asap_checkpoints=checkpoints, timing_samples=timing_samples,
                       n_bootstrap=n_bootstrap, max_new_tokens=max_new_tokens,
                       batch_size=batch_size, cut_draws=cut_draws, data_dir=data_dir,
-                      limit=limit, target=target,
+                      limit=limit, target=target, rounds=rounds,
+                      mixture_samples=mixture_samples, resume=resume,
                       cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
     click.echo(markdown(report))
     click.echo(f"wrote {out_dir}")

@@ -684,10 +684,5 @@ def reliability_table(y: np.ndarray, p: np.ndarray, n_bins: int = 10) -> list[di
     return out
 
 
-def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
-                   n_samples: int = 1000, **kwargs) -> tuple[Controller, dict[str, Any]]:
-    """Sample, fit and (optionally) save a controller: see
-    :func:`shim_adapters.fitting.fit_controller` (kept here, where users import it from)."""
-    from .fitting import fit_controller as fit
-
-    return fit(lm, masker, prompt, kind, n_samples, **kwargs)
+# Users import it from here; it lives with the rest of the fitting recipe.
+from .fitting import fit_controller  # noqa: E402,F401
