@@ -31,6 +31,14 @@ def percentile(values, q):
     return float(np.percentile(np.asarray(values) * 1e3, q))
 
 
+class _Timed:
+    """An adjuster whose log_gamma is timed (the controller's part of a step)."""
+
+    def __init__(self, adjuster, wrap):
+        self.controller = adjuster.controller
+        self.log_gamma = wrap(adjuster.log_gamma)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -54,6 +62,7 @@ def main() -> None:
     from shim_adapters.lm import default_lm_path, load_lm
     from shim_adapters.plugins import get_backend
     from shim_vllm.processor import VllmShimLogitsProcessor
+    from shim_vllm.request_args import parse_request_args
 
     lm = load_lm(None)
     work = Path(tempfile.mkdtemp(prefix="shim-vllm-bench-"))
@@ -86,7 +95,21 @@ def main() -> None:
         new_request(builder, i)
     proc.update_state(builder.get_and_reset(args.batch))
 
-    times = {"vllm": [], "core_shim": [], "core_mask": []}
+    times = {"vllm": [], "core_shim": [], "core_mask": [], "vllm_controller_share": []}
+    controller_seconds = [0.0]
+
+    def timed(log_gamma):
+        def call(states, allowed):
+            t0 = time.perf_counter()
+            try:
+                return log_gamma(states, allowed)
+            finally:
+                controller_seconds[0] += time.perf_counter() - t0
+        return call
+
+    for name in dirs:  # time the controller's part of the vLLM processor's apply
+        bound = proc.bindings.bind(parse_request_args({"shim_controller": str(dirs[name])}))
+        object.__setattr__(bound, "adjuster", _Timed(bound.adjuster, timed))
     replaced = 0
     for step in range(args.steps):
         logits = torch.randn(args.batch, width, generator=gen)
@@ -111,10 +134,12 @@ def main() -> None:
             plain(ids, logits[members].clone())
             t_mask += time.perf_counter() - t0
         work_logits = logits.clone()
+        controller_seconds[0] = 0.0
         t0 = time.perf_counter()
         proc.update_state(None)
         out = proc.apply(work_logits)
         times["vllm"].append(time.perf_counter() - t0)
+        times["vllm_controller_share"].append(controller_seconds[0])
         times["core_shim"].append(t_shim)
         times["core_mask"].append(t_mask)
         # sample (Gumbel-max at T=1), append to each request's list, replace finished requests
@@ -132,10 +157,11 @@ def main() -> None:
         proc.update_state(builder.get_and_reset(args.batch))
 
     summary = {
-        "vllm": vllm.__version__, "torch": torch.__version__, "batch": args.batch,
+        "vllm_version": vllm.__version__, "torch": torch.__version__, "batch": args.batch,
         "steps": args.steps, "vocab": width, "requests_replaced": replaced,
         "grammars": "bv4 (75%) / binary5 (25%), XGrammar backend, LR_FULL controllers",
     }
+    # vllm_controller_share: seconds inside ShimAdjuster.log_gamma (features + controller)
     for name, values in times.items():
         summary[name] = {"p50_ms": percentile(values, 50), "p95_ms": percentile(values, 95),
                          "p99_ms": percentile(values, 99),

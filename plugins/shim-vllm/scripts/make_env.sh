@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the environment in which shim-vllm's tests run: vLLM 0.33.0 beside the shim core.
 #
-#   plugins/shim-vllm/scripts/make_env.sh [VENV]     (default: .venv-vllm in the repo root)
+#   plugins/shim-vllm/scripts/make_env.sh [VENV]     (default: plugins/shim-vllm/.venv, git-ignored)
 #   VENV/bin/python -m pytest plugins/shim-vllm/tests -m vllm -q
 #
 # Why not `pip install plugins/shim-vllm`: vLLM 0.33.0 pins torch==2.14.0 and needs
@@ -12,7 +12,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-VENV="${1:-$ROOT/.venv-vllm}"
+VENV="${1:-$HERE/.venv}"
 PY="${PYTHON:-python3.11}"
 
 "$PY" -m venv "$VENV"
