@@ -36,9 +36,12 @@ def lm():
     return load_lm(None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def vllm_config(lm):
-    """vLLM's own config for the shipped LM (a GPT-2 architecture vLLM supports)."""
+    """vLLM's own config for the shipped LM (a GPT-2 architecture vLLM supports).
+
+    A fresh one per test: an engine (config) gets one active SHIM processor.
+    """
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
     from shim_adapters.lm import default_lm_path

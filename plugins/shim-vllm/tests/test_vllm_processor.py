@@ -100,7 +100,8 @@ def test_validate_params_refuses_bad_artefacts_before_the_engine(binary5_dir, tm
 
 
 # ---- loading through vLLM's own machinery ---------------------------------------------------
-def test_vllm_builds_it_from_the_fqcn_and_the_entry_point(vllm_config, monkeypatch):
+def test_vllm_builds_it_from_the_fqcn_and_the_entry_point(vllm_config, monkeypatch,
+                                                          binary5_dir):
     from importlib.metadata import entry_points
 
     from vllm.utils import torch_utils
@@ -114,9 +115,23 @@ def test_vllm_builds_it_from_the_fqcn_and_the_entry_point(vllm_config, monkeypat
     procs = build_logitsprocs(vllm_config, CPU, False, False,
                               ["shim_vllm:VllmShimLogitsProcessor"])
     ours = [p for p in procs.non_argmax_invariant if isinstance(p, VllmShimLogitsProcessor)]
-    # once from the installed entry point, once from --logits-processors
-    assert len(ours) == 2
+    # once from the installed entry point, once from --logits-processors: only one corrects
+    assert len(ours) == 2 and [p.active for p in ours] == [True, False]
     assert not any(isinstance(p, VllmShimLogitsProcessor) for p in procs.argmax_invariant)
+    # run the batch as vLLM does: every processor sees the update, then applies in order
+    builder = BatchUpdateBuilder()
+    builder.added.append((0, shim_params(binary5_dir), [1], []))
+    builder.added.append((1, SamplingParams(), [1], []))
+    update = builder.get_and_reset(2)
+    for proc in procs.all:
+        proc.update_state(update)
+    logits = torch.randn(2, ours[0].bindings.vocab_size)
+    out = logits.clone()
+    for proc in procs.non_argmax_invariant:
+        out = proc.apply(out)
+    want = expected_rows(ours[0].rows[0].bound, [[]], logits[:1])
+    torch.testing.assert_close(out[:1], want, rtol=0, atol=1e-6)  # corrected once, not twice
+    assert torch.equal(out[1], logits[1])
 
 
 # ---- the batch: plain rows untouched, add / remove / move / swap ------------------------------
@@ -293,3 +308,14 @@ def test_artefact_for_another_tokenizer_or_width_is_refused(processor, binary5_d
     other.add_tokens(["<shim-extra-token>"])
     with pytest.raises(ManifestMismatchError, match="tokenizer_sha256"):
         ControllerBindings(other, processor.bindings.vocab_size).bind(args)
+
+
+def test_a_second_instance_for_one_engine_stays_passive(vllm_config, binary5_dir):
+    first = VllmShimLogitsProcessor(vllm_config, CPU, False)
+    second = VllmShimLogitsProcessor(vllm_config, CPU, False)
+    assert first.active and not second.active
+    builder = BatchUpdateBuilder()
+    builder.added.append((0, shim_params(binary5_dir), [1], []))
+    second.update_state(builder.get_and_reset(1))
+    logits = torch.randn(1, first.bindings.vocab_size)
+    assert torch.equal(second.apply(logits.clone()), logits) and not second.rows

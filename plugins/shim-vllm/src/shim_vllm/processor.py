@@ -27,6 +27,7 @@ for logits processors, so the engine step fails rather than emit an unconstraine
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,28 @@ from .rows import RequestRow, apply_rows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+#: The engine whose SHIM rows an instance serves: id(vllm_config) -> (config, processor), weak.
+_SERVING: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _first_for_engine(vllm_config: object, processor: object) -> bool:
+    """True for the first instance built for this engine config; later ones stay passive.
+
+    vLLM builds one instance from the installed entry point and another from
+    ``--logits-processors`` when both name this class; two active instances would add
+    β·log γ̂ twice.
+    """
+    key = id(vllm_config)
+    found = _SERVING.get(key)
+    if found is not None and found[0]() is vllm_config and found[1]() is not None:
+        return False
+    try:
+        _SERVING[key] = (weakref.ref(vllm_config), weakref.ref(processor))
+    except TypeError:  # a config that cannot be weakly referenced: no de-duplication
+        pass
+    return True
 
 
 class VllmShimLogitsProcessor(LogitsProcessor):
@@ -60,6 +83,8 @@ class VllmShimLogitsProcessor(LogitsProcessor):
         self._model_config = vllm_config.model_config
         self._bindings: ControllerBindings | None = None
         self.rows: dict[int, RequestRow] = {}
+        #: False for a second instance in the same engine (entry point and --logits-processors)
+        self.active = _first_for_engine(vllm_config, self)
 
     def is_argmax_invariant(self) -> bool:
         return False  # masking and γ̂ both change the argmax
@@ -79,7 +104,7 @@ class VllmShimLogitsProcessor(LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Apply the batch's removed, added, then moved rows (vLLM's documented order)."""
-        if batch_update is None:
+        if batch_update is None or not self.active:
             return
         for index in batch_update.removed:
             self.rows.pop(index, None)
@@ -107,4 +132,4 @@ class VllmShimLogitsProcessor(LogitsProcessor):
                           temperature_mode=args.temperature_mode)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return apply_rows(logits, self.rows)
+        return apply_rows(logits, self.rows) if self.active else logits
