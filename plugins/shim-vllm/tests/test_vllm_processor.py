@@ -319,3 +319,41 @@ def test_a_second_instance_for_one_engine_stays_passive(vllm_config, binary5_dir
     second.update_state(builder.get_and_reset(1))
     logits = torch.randn(1, first.bindings.vocab_size)
     assert torch.equal(second.apply(logits.clone()), logits) and not second.rows
+
+
+def test_vllms_sampler_divides_the_corrected_logits_by_temperature(processor, binary5_dir):
+    """Through vLLM's own Sampler: processed logprobs are log_softmax((logits + log γ̂)/T) by
+    default and log_softmax(logits/T + log γ̂) with shim_temperature="lm_only"."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    T = 0.5
+    add(processor, 3, (0, shim_params(binary5_dir, temperature=T), []),
+        (1, shim_params(binary5_dir, temperature=T, shim_temperature="lm_only"), []),
+        (2, SamplingParams(temperature=T), []))
+    width = processor.bindings.vocab_size
+    n = 3
+    metadata = SamplingMetadata(
+        temperature=torch.full((n,), T), all_greedy=False, all_random=True, top_p=None,
+        top_k=None, generators={}, max_num_logprobs=width, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[], [], []], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors([processor]))
+    torch.manual_seed(0)
+    logits = torch.randn(n, width)
+    out = Sampler(logprobs_mode="processed_logprobs")(logits.clone(), metadata)
+    tensors = out.logprobs_tensors
+    got = torch.empty(n, width).scatter_(1, tensors.logprob_token_ids[:, 1:],
+                                         tensors.logprobs[:, 1:])
+    corrected = expected_rows(processor.rows[0].bound, [[], []], logits[:2])
+    masked = logits[:2].masked_fill(torch.isneginf(corrected), float("-inf"))
+    log_gamma = torch.where(torch.isneginf(corrected), 0.0, corrected - masked)
+    want = torch.stack([torch.log_softmax(corrected[0] / T, -1),
+                        torch.log_softmax(masked[1] / T + log_gamma[1], -1),
+                        torch.log_softmax(logits[2] / T, -1)])
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    assert log_gamma.abs().max() > 0
