@@ -40,7 +40,7 @@ ROUND_PROPOSALS = ("shim", "defensive")
 
 def _p_valid_estimate(log_ratio_totals: np.ndarray, valid: np.ndarray) -> float:
     """Mean of 1[x in L]·p(x)/q(x): an unbiased estimate of P(L) from any proposal."""
-    w = np.where(valid, np.exp(np.minimum(log_ratio_totals, 0.0 + 50.0)), 0.0)
+    w = np.where(valid, np.exp(np.minimum(log_ratio_totals, 50.0)), 0.0)
     return float(w.mean()) if len(w) else float("nan")
 
 
