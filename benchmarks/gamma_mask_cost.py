@@ -6,10 +6,11 @@ re-tokenised and replayed, as in ``correction_overhead.py``), then ``B`` rows (1
 replay masked samples of the shipped LM in lock-step and each decoding step is timed, all
 phases in the same loop on the same states:
 
-- ``xgr own``: XGrammar alone: ``fill_next_token_bitmask`` per row + ``accept_token`` per row +
-  ``apply_token_bitmask_inplace`` for the batch (what XGrammar's HF processor does);
-- ``plugin mask``: the same through the plugin (``MaskerState.fill_next_token_bitmask`` +
-  ``advance`` + ``Masker.apply_token_bitmask_``);
+- ``xgr fill+accept``: XGrammar alone: ``fill_next_token_bitmask`` + ``accept_token`` per row;
+- ``plugin fill+advance``: the same through the plugin (``MaskerState.fill_next_token_bitmask``
+  + ``advance``);
+- ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
+  the core's torch bit operations (:func:`shim_adapters.bitmask.apply_token_bitmask_`);
 - ``γ hit``: ``ShimAdjuster.add_log_gamma_`` with the γ cache warm;
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
 - ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row).
@@ -36,7 +37,7 @@ torch.set_num_threads(1)
 import xgrammar as xgr  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from shim_adapters.bitmask import allocate_token_bitmask  # noqa: E402
+from shim_adapters.bitmask import allocate_token_bitmask, apply_token_bitmask_  # noqa: E402
 from shim_adapters.controller import LR_FULL  # noqa: E402
 from shim_adapters.correction import ShimAdjuster  # noqa: E402
 from shim_adapters.generation import generate_masked  # noqa: E402
@@ -82,7 +83,8 @@ def time_batch(masker, adjuster, seqs, batch, passes):
     own_mask = allocate_token_bitmask(batch, width)
     base = torch.randn(batch, width)
     logits = base.clone()
-    times = {k: [] for k in ("xgr own", "plugin mask", "γ hit", "γ miss", "γ old")}
+    times = {k: [] for k in ("xgr own", "xgr apply", "core apply", "plugin mask", "γ hit",
+                             "γ miss", "γ old")}
     hit_info = None
     for p in range(passes):
         if p == 0:
@@ -100,17 +102,24 @@ def time_batch(masker, adjuster, seqs, batch, passes):
             t0 = time.perf_counter()
             for r, (_, matcher, seq, i) in enumerate(rows):
                 matcher.fill_next_token_bitmask(own_mask, r)
-            xgr.apply_token_bitmask_inplace(logits, own_mask)
             for r, (_, matcher, seq, i) in enumerate(rows):
                 matcher.accept_token(seq[i])
             t1 = time.perf_counter()
+            xgr.apply_token_bitmask_inplace(logits, own_mask)
+            ta = time.perf_counter()
+            logits.copy_(base)
+            tb = time.perf_counter()
+            apply_token_bitmask_(logits, own_mask)
+            tc = time.perf_counter()
+            times["xgr apply"].append(ta - t1)
+            times["core apply"].append(tc - tb)
             # plugin mask (advance timed below, after γ has read the state)
             logits.copy_(base)
             t2 = time.perf_counter()
             for r, state in enumerate(states):
                 state.fill_next_token_bitmask(bitmask, r)
-            masker.apply_token_bitmask_(logits, bitmask)
             t3 = time.perf_counter()
+            masker.apply_token_bitmask_(logits, bitmask)
             # γ, cache as it is (first pass: cold, later passes: warm)
             t4 = time.perf_counter()
             adjuster.add_log_gamma_(logits, states)
@@ -179,10 +188,10 @@ def main() -> None:
     for name in ("gpt2", "qwen2.5"):
         toks.append((name, load_offline_tokenizer(name), offline_logits_width(name)))
     lines = []
-    head = (f"| tokenizer | vocab | grammar | batch | xgr own p50 | plugin mask p50 | γ hit p50 "
-            f"| γ hit p99 | γ miss p50 | γ old p50 | γ hit / xgr own | hit rate | head-skip "
-            f"rate | cache KiB |")
-    lines += [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * 14]
+    head = ("| tokenizer | vocab | grammar | batch | xgr fill+accept p50 | plugin fill+advance "
+            "p50 | xgr apply p50 | core apply p50 | γ hit p50 | γ hit p99 | γ miss p50 | "
+            "γ old p50 | γ hit / xgr fill+accept | hit rate | head-skip rate | cache KiB |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
     with threadpool_limits(limits=1):
         for gname in args.grammars.split(","):
             grammar = builtin_grammar(gname)
@@ -206,7 +215,9 @@ def main() -> None:
                     hit_p50 = pct(times["γ hit"], 50)
                     lines.append(
                         f"| {tname} | {width} | {gname} | {batch} | {own_p50:.1f} | "
-                        f"{pct(times['plugin mask'], 50):.1f} | {hit_p50:.1f} | "
+                        f"{pct(times['plugin mask'], 50):.1f} | "
+                        f"{pct(times['xgr apply'], 50):.1f} | "
+                        f"{pct(times['core apply'], 50):.1f} | {hit_p50:.1f} | "
                         f"{pct(times['γ hit'], 99):.1f} | {pct(times['γ miss'], 50):.1f} | "
                         f"{pct(times['γ old'], 50):.1f} | {hit_p50 / own_p50:.2f} | "
                         f"{info['hit_rate']:.2f} | {info['head_skip_rate']:.2f} | "

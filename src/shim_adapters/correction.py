@@ -76,12 +76,15 @@ class ShimAdjuster:
         index = self._scored_index(scores.device)
         batch = scores.shape[0]
         if len(rows) == batch and all(r == i for i, r in enumerate(rows)):
-            delta = torch.stack([e.delta for e in entries])
+            delta = entries[0].delta.unsqueeze(0) if batch == 1 else torch.stack(
+                [e.delta for e in entries])
         else:
             delta = torch.zeros((batch, len(index)), dtype=torch.float32)
             delta[torch.as_tensor(list(rows), dtype=torch.long)] = torch.stack(
                 [e.delta for e in entries])
-        scores.index_add_(1, index, delta.to(device=scores.device, dtype=scores.dtype))
+        if delta.device != scores.device or delta.dtype != scores.dtype:
+            delta = delta.to(device=scores.device, dtype=scores.dtype)
+        scores.index_add_(1, index, delta)
         if exact:
             shared = torch.zeros(batch, dtype=torch.float32)
             shared[torch.as_tensor(list(rows), dtype=torch.long)] = torch.tensor(

@@ -246,13 +246,17 @@ class XGrammarState(MaskerState):
         if self._finished:
             words[:] = 0
             return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._fill_raw(bitmask, row)
         masker = self.masker
         fix = masker._fix_words
         if self._matcher.is_completed():
             words[fix] = (words[fix] & masker._fix_keep) | masker._fix_eos
         else:
             words[fix] &= masker._fix_keep
+
+    def _fill_raw(self, bitmask, row: int) -> None:
+        """XGrammar's mask for this row, before the fix-ups."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def feature_key(self):
         """XGrammar's raw state dump: it determines the features, and skips their parse."""
