@@ -109,7 +109,7 @@ class XGrammarMasker(Masker):
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None, *,
                  stop_token_ids: Sequence[int] | None = None,
-                 start_positions: str = "absolute"):
+                 start_positions: str = "absolute", position_feature: bool = True):
         import xgrammar as xgr
 
         if grammar.format not in GRAMMAR_FORMATS:
@@ -139,6 +139,11 @@ class XGrammarMasker(Masker):
                                               if i < self.tokenizer_size), dtype=np.int64)
         self._special_ids = frozenset(self._special_array.tolist())
         self.start_positions = start_positions
+        #: Whether the byte position is a feature (``extra["position"]``). Without it and with
+        #: ``start_positions="none"`` the features forget absolute offsets, so states recur
+        #: far more often (γ cache hits) at the price of nesting depth.
+        self.position_feature = bool(position_feature)
+        self._position_free = start_positions == "none" and not position_feature
 
         #: Capability report: ("exact",) or what the Lark -> EBNF conversion lowered.
         self.conversion_notes: tuple[str, ...] = ("exact",)
@@ -205,6 +210,10 @@ class XGrammarMasker(Masker):
         return f"rule{rule_id}"
 
 
+#: What a position-free feature key leaves out of XGrammar's dump: every byte offset.
+_POSITIONS = re.compile(r"There are \d+ steps|rule_start_pos=-?\d+")
+_STARTS = re.compile(r"rule_start_pos=(-?\d+)")
+
 _VIEW: list = [None, None]  # (tensor, its numpy view): the caller reuses one bitmask
 
 
@@ -264,7 +273,13 @@ class XGrammarState(MaskerState):
             return ("finished",)
         if self.masker.feature_status["parser_state"] is not FeatureStatus.EXACT:
             return super().feature_key()
-        return self._matcher._debug_print_internal_state()
+        dump = self._matcher._debug_print_internal_state()
+        if self.masker._position_free:
+            # offsets out; their order stays in (it orders parser_state, innermost first)
+            starts = [int(p) for p in _STARTS.findall(dump)]
+            order = {p: i for i, p in enumerate(sorted(set(starts), reverse=True))}
+            return _POSITIONS.sub("", dump), tuple(order[p] for p in starts)
+        return dump
 
     @property
     def step(self) -> int:
@@ -324,6 +339,8 @@ class XGrammarState(MaskerState):
         lexer_state = frozenset(
             (f"{masker.rule_name(item.rule_id)}.e{item.element_id}", item.sub_element_id)
             for item in state.items)
+        extra = {"n_items": len(state.items)}
+        if masker.position_feature:
+            extra["position"] = state.position
         return StateFeatures(parser_state=parser_state, lexer_state=lexer_state,
-                             partial_lexeme=None,
-                             extra={"position": state.position, "n_items": len(state.items)})
+                             partial_lexeme=None, extra=extra)
