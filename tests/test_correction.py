@@ -110,6 +110,8 @@ def test_cached_gamma_add_equals_log_gamma(setups):
         masker, _, ctrl = setups[grammar]
         for kind in ("LR_FULL", "MLP"):
             adj = ShimAdjuster(ctrl[kind])
+            assert ShimAdjuster(ctrl[kind]).cache is adj.cache  # one cache per controller
+            adj.cache.clear()
             states = [_walk(masker, [i, 3 * i, 7 * i, 11 * i]) for i in range(8)] * 2
             allowed = [s.allowed_token_ids() for s in states]
             expected = adj.log_gamma(states, allowed)
@@ -128,6 +130,7 @@ def test_gamma_cache_respects_its_memory_bound(setups):
     masker, _, ctrl = setups["bv4"]
     per_entry = 4 * len(ctrl["LR_FULL"].scored_token_ids_)
     adj = ShimAdjuster(ctrl["LR_FULL"], cache_bytes=3 * (per_entry + 400))
+    adj.cache.clear()
     states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(30)]
     scores = torch.zeros((1, masker.vocab_size))
     for s in states:

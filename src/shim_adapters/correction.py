@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .controller import Controller
-from .gamma_cache import DEFAULT_MAX_BYTES, GammaCache
+from .gamma_cache import DEFAULT_MAX_BYTES, shared_gamma_cache
 from .generation import MaskedGeneration, MaskedLogitsProcessor, generate_masked
 from .protocol import Masker, MaskerState
 
@@ -36,7 +36,8 @@ class ShimAdjuster:
                              f"an artefact first")
         self.controller = controller
         self.damped = damped
-        self.cache = GammaCache(controller, damped=damped, max_bytes=cache_bytes)
+        #: shared by every adjuster of this controller: warm across generate calls
+        self.cache = shared_gamma_cache(controller, damped=damped, max_bytes=cache_bytes)
         self._index: dict[torch.device, torch.Tensor] = {}
 
     def log_gamma(self, states: Sequence[MaskerState],

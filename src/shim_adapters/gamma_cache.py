@@ -63,6 +63,8 @@ class GammaCache:
         self.encoding_hits = 0
         self.misses = 0
         self._constant: GammaEntry | None = None
+        #: Keys are (masker id, feature key): two maskers may read one dump differently.
+        self._maskers: dict[int, object] = {}
 
     # ---- lookup ----------------------------------------------------------------------------
     def entry(self, state: MaskerState) -> GammaEntry:
@@ -74,7 +76,10 @@ class GammaCache:
             else:
                 self.hits += 1
             return self._constant
-        key = state.feature_key()
+        masker = state.masker
+        if id(masker) not in self._maskers:
+            self._maskers[id(masker)] = masker  # held, so that its id is never reused
+        key = (id(masker), state.feature_key())
         ekey = self._by_key.get(key)
         if ekey is not None:
             hit = self._by_encoding.get(ekey)
@@ -143,6 +148,18 @@ class GammaCache:
                 "bytes": self._bytes + self._key_bytes, "max_bytes": self.max_bytes}
 
 
+def shared_gamma_cache(controller, damped: bool = True,
+                       max_bytes: int = DEFAULT_MAX_BYTES) -> GammaCache:
+    """The controller's γ cache for these settings, shared by every adjuster over it, so the
+    cache stays warm across ``generate`` calls and processors."""
+    caches = controller.__dict__.setdefault("_gamma_caches", {})
+    key = (bool(damped), int(max_bytes))
+    cache = caches.get(key)
+    if cache is None:
+        cache = caches[key] = GammaCache(controller, damped=damped, max_bytes=max_bytes)
+    return cache
+
+
 def _entry(shared: float, values: np.ndarray) -> GammaEntry:
     delta = torch.from_numpy((values - shared).astype(np.float32))
     return GammaEntry(float(shared), delta)
@@ -153,4 +170,6 @@ def _entry_bytes(ekey: tuple[bytes, bytes], entry: GammaEntry) -> int:
 
 
 def _size_of(key: Hashable) -> int:
+    if isinstance(key, tuple):
+        return sys.getsizeof(key) + sum(_size_of(k) for k in key)
     return sys.getsizeof(key)
