@@ -124,9 +124,7 @@ def time_batch(masker, adjuster, seqs, batch, passes):
             t4 = time.perf_counter()
             adjuster.add_log_gamma_(logits, states)
             t5 = time.perf_counter()
-            if p == 0:
-                hit_info = None
-            else:
+            if p > 0:
                 times["γ hit"].append(t5 - t4)
                 # miss path: the same step with the γ cache emptied (encoder caches warm)
                 saved = (adjuster.cache._by_key.copy(), adjuster.cache._by_encoding.copy(),
