@@ -60,9 +60,14 @@ def test_correction_never_enables_a_forbidden_token(setups, grammar, kind, choic
     allowed = torch.from_numpy(mask)
     # forbidden stays -inf, allowed stays finite
     assert torch.isneginf(shim[~allowed]).all() and torch.isfinite(shim[allowed]).all()
-    # the correction is exactly β·log γ̂ on the allowed set, and never positive
+    # the correction is exactly β·log γ̂ on the allowed set (up to one per-row constant, which
+    # the softmax removes), and never positive
     lg = ctrl[kind].predict_log_gamma(state.features(), np.flatnonzero(mask))
-    np.testing.assert_allclose((shim - plain)[allowed].numpy(), lg, rtol=1e-4, atol=1e-4)
+    expected = plain.clone().double()
+    expected[allowed] += torch.from_numpy(lg)
+    np.testing.assert_allclose(torch.log_softmax(shim.double(), -1)[allowed].numpy(),
+                               torch.log_softmax(expected, -1)[allowed].numpy(),
+                               rtol=1e-4, atol=1e-4)
     assert (lg <= 0).all()
     # the corrected distribution sums to one over the allowed set
     probs = torch.softmax(shim.double(), dim=-1)
@@ -96,3 +101,42 @@ def test_shim_samples_are_in_the_language(lm, setups, grammar):
 def test_unfitted_controller_is_refused():
     with pytest.raises(ValueError, match="not fitted"):
         ShimAdjuster(LR_FULL())
+
+
+def test_cached_gamma_add_equals_log_gamma(setups):
+    """add_log_gamma_ (the γ cache's path) adds exactly log_gamma's values to allowed tokens,
+    on hits as well as misses, for rows given in any order."""
+    for grammar in sorted(CASES):
+        masker, _, ctrl = setups[grammar]
+        for kind in ("LR_FULL", "MLP"):
+            adj = ShimAdjuster(ctrl[kind])
+            assert ShimAdjuster(ctrl[kind]).cache is adj.cache  # one cache per controller
+            adj.cache.clear()
+            states = [_walk(masker, [i, 3 * i, 7 * i, 11 * i]) for i in range(8)] * 2
+            allowed = [s.allowed_token_ids() for s in states]
+            expected = adj.log_gamma(states, allowed)
+            rows = list(reversed(range(len(states))))
+            scores = torch.zeros((len(states), masker.vocab_size), dtype=torch.float64)
+            adj.add_log_gamma_(scores, states, rows, exact=True)
+            for s, r, a, e in zip(states, rows, allowed, expected):
+                np.testing.assert_allclose(scores[r, a].numpy(), e, atol=1e-5)
+            info = adj.cache_info()
+            assert info["lookups"] == len(states)
+            assert info["hits"] >= len(states) // 2  # the second copy of each state hits
+            assert 0 < info["bytes"] <= info["max_bytes"]
+
+
+def test_gamma_cache_respects_its_memory_bound(setups):
+    masker, _, ctrl = setups["bv4"]
+    per_entry = 4 * len(ctrl["LR_FULL"].scored_token_ids_)
+    adj = ShimAdjuster(ctrl["LR_FULL"], cache_bytes=3 * (per_entry + 400))
+    adj.cache.clear()
+    states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(30)]
+    scores = torch.zeros((1, masker.vocab_size))
+    for s in states:
+        adj.add_log_gamma_(scores, [s])
+    info = adj.cache_info()
+    assert info["entries"] <= 3 and info["bytes"] <= info["max_bytes"]
+    assert info["misses"] >= 4  # evicted states are recomputed, not served stale
+    with pytest.raises(ValueError, match="max_bytes"):
+        ShimAdjuster(ctrl["LR_FULL"], cache_bytes=0)

@@ -339,3 +339,33 @@ def test_control_tokens_are_never_allowed_inside_a_json_string():
     assert specials and not state.allowed_mask()[specials].any()
     with pytest.raises(ForbiddenTokenError):
         state.advance(specials[0])
+
+
+@pytest.mark.parametrize("options", [{}, dict(start_positions="none", position_feature=False)])
+def test_feature_key_determines_the_features(compile_grammar, tokenizer, options):
+    """The γ cache is keyed on feature_key(): equal keys must mean equal features, and the
+    position-free key lets states at different offsets share one entry."""
+    from shim_adapters.features import state_key
+
+    masker = compile_grammar(builtin_grammar("json"), **options)
+    rng = np.random.default_rng(0)
+    seen: dict = {}
+    for walk in range(6):
+        state = masker.new_state()
+        for _ in range(30):
+            key = state.feature_key()
+            assert seen.setdefault(key, state_key(state.features())) == state_key(
+                state.features())
+            allowed = [t for t in state.allowed_token_ids() if t not in masker.eos_token_ids]
+            if not allowed:
+                break
+            state.advance(int(rng.choice(allowed)))
+    if options:
+        assert "position" not in state.features().extra
+        head = '{"a": [1, 2, '
+        a, b = masker.new_state(), masker.new_state()
+        for token in tokenizer.encode(head, add_special_tokens=False):
+            a.advance(token)
+        for token in tokenizer.encode('{"abc": [1, 2, ', add_special_tokens=False):
+            b.advance(token)
+        assert a.feature_key() == b.feature_key()

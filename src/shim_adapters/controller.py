@@ -325,6 +325,12 @@ class Controller:
         self._bias = self.weights_["embed_bias"]
         self._eos = set(int(e) for e in self.eos_token_ids_)
         self._eos_sorted = sorted(self._eos)
+        # the tokens that can differ from the shared value: known tokens and EOS
+        ids = np.union1d(enc.token_vocab_, np.asarray(self.eos_token_ids_, dtype=np.int64))
+        self.scored_token_ids_ = ids.astype(np.int64)
+        self._scored_pre_token = self._E_token[enc.token_columns(self.scored_token_ids_)]
+        self._scored_is_eos = np.isin(self.scored_token_ids_, self.eos_token_ids_)
+        self._cross_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _logits(self, weights: dict[str, np.ndarray], X: sp.csr_matrix) -> np.ndarray:
         pre = X @ weights["embed"] + weights["embed_bias"]
@@ -348,6 +354,50 @@ class Controller:
             cc = self.encoder_.cross_columns(enc.cross_keys, allowed[seen])
             pre = pre + self._E_cross[cc].sum(axis=0)
         return seen, state_pre[None, :] + pre, state_pre[None, :]
+
+    def _cross_rows_of(self, cross_key: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions (in ``scored_token_ids_``) and weight rows of one cross key's pairs.
+
+        Cross keys recur far more often than whole states, so this is cached per key."""
+        hit = self._cross_rows.get(cross_key)
+        if hit is None:
+            cc = self.encoder_.cross_columns(np.array([cross_key], dtype=np.uint64),
+                                             self.scored_token_ids_)[0]
+            pos = np.flatnonzero(cc >= 0)
+            hit = (pos, self._E_cross[cc[pos]])
+            if len(self._cross_rows) < 1 << 16:
+                self._cross_rows[cross_key] = hit
+        return hit
+
+    def state_log_gamma(self, features: StateFeatures, damped: bool = True
+                        ) -> tuple[float, np.ndarray]:
+        """The whole vocabulary's β·log γ̂ at one state, independent of the allowed set.
+
+        Returns ``(shared, values)``: ``shared`` is the value of every token without a feature
+        of its own, ``values[i]`` the value of ``scored_token_ids_[i]`` (EOS: exactly 0). For
+        an allowed token it equals :meth:`predict_log_gamma`'s value, so one call serves every
+        visit of the state whatever the mask (SHIM's γ cache stores it)."""
+        enc, state_pre = self.encode_state(features)
+        return self.encoded_log_gamma(enc, state_pre, damped)
+
+    def encoded_log_gamma(self, enc: EncodedState, state_pre: np.ndarray, damped: bool = True
+                          ) -> tuple[float, np.ndarray]:
+        """:meth:`state_log_gamma` from :meth:`encode_state`'s output."""
+        pre = np.empty((len(self.scored_token_ids_) + 1, state_pre.shape[0]),
+                       dtype=np.float64)
+        np.add(self._scored_pre_token, state_pre, out=pre[:-1])
+        pre[-1] = state_pre
+        if self.encoder_.n_cross_:
+            for key in enc.cross_keys.tolist():
+                pos, rows = self._cross_rows_of(key)
+                if len(pos):
+                    pre[pos] += rows  # positions are unique within one key
+        lg = log_sigmoid(self._head(self.weights_, pre))
+        if damped:
+            lg *= self.beta_
+        values = lg[:-1]
+        values[self._scored_is_eos] = 0.0
+        return float(lg[-1]), values
 
     def predict_log_gamma(self, state_features: StateFeatures, allowed_token_ids: np.ndarray,
                           damped: bool = True) -> np.ndarray:

@@ -13,26 +13,89 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from .controller import Controller
+from .gamma_cache import DEFAULT_MAX_BYTES, shared_gamma_cache
 from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generation
 from .protocol import Masker, MaskerState
 
 
 class ShimAdjuster:
-    """log γ̂ (damped by the controller's β) for the allowed tokens of each row."""
+    """log γ̂ (damped by the controller's β) for the allowed tokens of each row.
 
-    def __init__(self, controller: Controller, damped: bool = True):
+    Two entry points: :meth:`log_gamma` (values for given allowed ids; evaluation scores with
+    it) and :meth:`add_log_gamma_` (the decoding hot path: in place on a batch of masked logits,
+    through a :class:`~shim_adapters.gamma_cache.GammaCache` keyed on each state's
+    :meth:`~shim_adapters.protocol.MaskerState.feature_key`)."""
+
+    def __init__(self, controller: Controller, damped: bool = True,
+                 cache_bytes: int = DEFAULT_MAX_BYTES):
         if not hasattr(controller, "weights_"):
             raise ValueError(f"{type(controller).__name__} is not fitted: call fit() or load "
                              f"an artefact first")
         self.controller = controller
         self.damped = damped
+        #: shared by every adjuster of this controller: warm across generate calls
+        self.cache = shared_gamma_cache(controller, damped=damped, max_bytes=cache_bytes)
+        self._index: dict[torch.device, torch.Tensor] = {}
 
     def log_gamma(self, states: Sequence[MaskerState],
                   allowed: Sequence[np.ndarray]) -> list[np.ndarray]:
         return self.controller.predict_log_gamma_batch([s.features() for s in states], allowed,
                                                        damped=self.damped)
+
+    def _scored_index(self, device: torch.device) -> torch.Tensor:
+        index = self._index.get(device)
+        if index is None:
+            index = self._index[device] = torch.from_numpy(
+                self.controller.scored_token_ids_).to(device)
+        return index
+
+    def add_log_gamma_(self, scores: torch.Tensor, states: Sequence[MaskerState],
+                       rows: Sequence[int] | None = None, *, exact: bool = False
+                       ) -> torch.Tensor:
+        """Add β·log γ̂ to ``scores[rows[i]]`` for ``states[i]``, in place; returns ``scores``.
+
+        ``scores``: (batch, vocab) logits, already masked (forbidden tokens at -inf stay -inf,
+        so the masker's guarantee is untouched). ``rows``: the batch row of each state
+        (default: row i for state i); other rows are left alone. With ``exact=False`` (the
+        default) each row gets log γ̂ minus one per-row constant (the value shared by every
+        token without features of its own), which the softmax removes: sampling and
+        log-probabilities after ``log_softmax`` are exactly those of :meth:`log_gamma`, at the
+        cost of one gather-add over the controller's known tokens instead of a dense add.
+        ``exact=True`` adds the constant too (one more dense add)."""
+        if scores.dim() != 2:
+            raise ValueError(f"scores must be (batch, vocab), got shape {tuple(scores.shape)}")
+        if rows is None:
+            rows = range(len(states))
+        if len(rows) != len(states):
+            raise ValueError(f"{len(states)} states but {len(rows)} rows")
+        if not len(states):
+            return scores
+        entries = [self.cache.entry(s) for s in states]
+        index = self._scored_index(scores.device)
+        batch = scores.shape[0]
+        if len(rows) == batch and all(r == i for i, r in enumerate(rows)):
+            delta = entries[0].delta.unsqueeze(0) if batch == 1 else torch.stack(
+                [e.delta for e in entries])
+        else:
+            delta = torch.zeros((batch, len(index)), dtype=torch.float32)
+            delta[torch.as_tensor(list(rows), dtype=torch.long)] = torch.stack(
+                [e.delta for e in entries])
+        if delta.device != scores.device or delta.dtype != scores.dtype:
+            delta = delta.to(device=scores.device, dtype=scores.dtype)
+        scores.index_add_(1, index, delta)
+        if exact:
+            shared = torch.zeros(batch, dtype=torch.float32)
+            shared[torch.as_tensor(list(rows), dtype=torch.long)] = torch.tensor(
+                [e.shared for e in entries], dtype=torch.float32)
+            scores.add_(shared.to(device=scores.device, dtype=scores.dtype)[:, None])
+        return scores
+
+    def cache_info(self) -> dict[str, float]:
+        """The γ cache's hit rates and memory (see :meth:`GammaCache.info`)."""
+        return self.cache.info()
 
 
 class ShimLogitsProcessor(MaskedLogitsProcessor):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
+from .bitmask import allocate_token_bitmask, pack_mask, rows_with_any
 from .errors import DeadEndError, VocabMismatchError
 from .protocol import Masker, MaskerState
 
@@ -33,7 +34,14 @@ class LogitAdjuster(Protocol):
 
 
 class MaskedLogitsProcessor(LogitsProcessor):
-    """Constrains each row to its masker state; optionally applies SHIM's log γ̂."""
+    """Constrains each row to its masker state; optionally applies SHIM's log γ̂.
+
+    Per call: each live row's state fills its row of one preallocated packed bitmask
+    (:meth:`~shim_adapters.protocol.MaskerState.fill_next_token_bitmask`), the batch is masked
+    with one kernel call (:meth:`~shim_adapters.protocol.Masker.apply_token_bitmask_`), and an
+    adjuster with ``add_log_gamma_`` (:class:`~shim_adapters.correction.ShimAdjuster`) adds
+    γ with one batched gather-add; any other :class:`LogitAdjuster` goes through
+    ``log_gamma`` with the allowed ids. ``scores`` is modified in place and returned."""
 
     def __init__(self, states: Sequence[MaskerState], adjuster: LogitAdjuster | None = None):
         if not states:
@@ -41,6 +49,8 @@ class MaskedLogitsProcessor(LogitsProcessor):
         self.states = list(states)
         self.adjuster = adjuster
         self._prompt_length: int | None = None
+        self._bitmask: torch.Tensor | None = None
+        self._eos_row: torch.Tensor | None = None
 
     def reset(self, states: Sequence[MaskerState]) -> None:
         """Start over with fresh states (a new ``generate`` call)."""
@@ -52,12 +62,21 @@ class MaskedLogitsProcessor(LogitsProcessor):
         if self._prompt_length is None:
             self._prompt_length = input_ids.shape[1]
             return
-        new = input_ids[:, self._prompt_length:].tolist()
-        for state, row in zip(self.states, new):
-            for token in row[state.step:]:
-                if state.is_finished:
-                    break  # transformers pads finished rows; nothing more to consume
-                state.advance(int(token))
+        generated = input_ids.shape[1] - self._prompt_length
+        last = None
+        for row, state in enumerate(self.states):
+            if state.is_finished:
+                continue  # transformers pads finished rows; nothing more to consume
+            step = state.step
+            if step == generated - 1:  # the usual case: one new token
+                if last is None:
+                    last = input_ids[:, -1].tolist()
+                state.advance(int(last[row]))
+            elif step < generated:
+                for token in input_ids[row, self._prompt_length + step:].tolist():
+                    if state.is_finished:
+                        break
+                    state.advance(int(token))
 
     def allowed_masks(self) -> np.ndarray:
         """(batch, vocab) bool masks; finished rows allow only EOS so sampling stays defined."""
@@ -73,28 +92,59 @@ class MaskedLogitsProcessor(LogitsProcessor):
             masks.append(mask)
         return np.stack(masks)
 
+    def fill_bitmask(self) -> torch.Tensor:
+        """The batch's packed masks (int32, XGrammar's layout; see :mod:`shim_adapters.bitmask`);
+        finished rows allow only EOS. Raises DeadEndError for a live row with no token."""
+        masker = self.states[0].masker
+        batch = len(self.states)
+        if self._bitmask is None or self._bitmask.shape[0] != batch:
+            self._bitmask = allocate_token_bitmask(batch, masker.vocab_size)
+        if self._eos_row is None:
+            only_eos = np.zeros(masker.vocab_size, dtype=bool)
+            only_eos[min(masker.eos_token_ids)] = True
+            self._eos_row = torch.from_numpy(pack_mask(only_eos))
+        bitmask = self._bitmask
+        for row, state in enumerate(self.states):
+            if state.is_finished:
+                bitmask[row] = self._eos_row
+            else:
+                state.fill_next_token_bitmask(bitmask, row)
+        nonempty = rows_with_any(bitmask, masker.vocab_size)
+        if not bool(nonempty.all()):
+            row = int(torch.nonzero(~nonempty)[0, 0])
+            state = self.states[row]
+            raise DeadEndError(state.step, state.describe(), row=row)
+        return bitmask
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if input_ids.shape[0] != len(self.states):
             raise ValueError(f"batch has {input_ids.shape[0]} rows but the processor holds "
                              f"{len(self.states)} masker states (beam search and "
                              f"num_return_sequences>1 are not supported: use one state per row)")
-        width = self.states[0].masker.vocab_size
+        masker = self.states[0].masker
+        width = masker.vocab_size
         if scores.shape[-1] != width:
             raise VocabMismatchError(f"model logits have width {scores.shape[-1]} but the masker "
                                      f"was compiled for {width}")
         self._sync(input_ids)
-        mask = torch.from_numpy(self.allowed_masks()).to(scores.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        masker.apply_token_bitmask_(scores, self.fill_bitmask())
         if self.adjuster is not None:
-            scores = self._apply_adjuster(scores, mask)
+            self._apply_adjuster(scores)
         return scores
 
-    def _apply_adjuster(self, scores: torch.FloatTensor, mask: torch.Tensor) -> torch.FloatTensor:
+    def _apply_adjuster(self, scores: torch.FloatTensor,
+                        mask: torch.Tensor | None = None) -> torch.FloatTensor:
         live = [i for i, s in enumerate(self.states) if not s.is_finished]
         if not live:
             return scores
-        allowed = [np.flatnonzero(mask[i].cpu().numpy()) for i in live]
-        log_gammas = self.adjuster.log_gamma([self.states[i] for i in live], allowed)
+        states = [self.states[i] for i in live]
+        if hasattr(self.adjuster, "add_log_gamma_"):
+            return self.adjuster.add_log_gamma_(scores, states, live)
+        if mask is None:
+            mask = ~torch.isneginf(scores)
+        mask_np = mask.cpu().numpy()
+        allowed = [np.flatnonzero(mask_np[i]) for i in live]
+        log_gammas = self.adjuster.log_gamma(states, allowed)
         for i, ids, lg in zip(live, allowed, log_gammas):
             lg_t = torch.as_tensor(np.asarray(lg), dtype=scores.dtype, device=scores.device)
             if lg_t.shape != (len(ids),) or not torch.isfinite(lg_t).all():

@@ -14,10 +14,11 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from .bitmask import pack_mask
 from .errors import ForbiddenTokenError
 from .grammar import Grammar
 from .tokenizer_identity import TokenizerIdentity
@@ -106,6 +107,26 @@ class MaskerState(abc.ABC):
     def allowed_token_ids(self) -> np.ndarray:
         return np.flatnonzero(self.allowed_mask())
 
+    def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
+        """Write :meth:`allowed_mask` into row ``row`` of a packed int32 bitmask (XGrammar's
+        layout, see :mod:`shim_adapters.bitmask`): a CPU torch tensor or a numpy array.
+
+        This default packs the bool mask; backends override it with their own fill. Every
+        implementation sets exactly the bits :meth:`allowed_mask` is True for."""
+        target = bitmask.numpy() if hasattr(bitmask, "numpy") and not isinstance(
+            bitmask, np.ndarray) else bitmask
+        pack_mask(self.allowed_mask(), out=target[row])
+
+    def feature_key(self) -> Hashable:
+        """A hashable that determines :meth:`features`: equal keys imply equal features.
+
+        SHIM's γ cache is keyed on it, so it must be cheap. This default is the features'
+        own identity (:func:`shim_adapters.features.state_key`); backends override it with
+        something they can read without building the features (e.g. a raw state dump)."""
+        from .features import state_key
+
+        return state_key(self.features())
+
     def describe(self) -> str:
         """A one-line diagnostic of the state, used in every error message."""
         feats = self.features()
@@ -156,6 +177,14 @@ class Masker(abc.ABC):
     def new_state(self) -> MaskerState:
         """A fresh state at the start of the output."""
 
+    def apply_token_bitmask_(self, logits, bitmask) -> None:
+        """Mask ``logits`` (batch, vocab) in place with a packed bitmask (batch, words).
+
+        The default is the core's torch kernel; a backend may hand in its own."""
+        from .bitmask import apply_token_bitmask_
+
+        apply_token_bitmask_(logits, bitmask)
+
     @property
     def tokenizer_identity(self) -> TokenizerIdentity:
         return TokenizerIdentity.of(self.tokenizer)
@@ -164,6 +193,9 @@ class Masker(abc.ABC):
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if token_id < 0 or token_id >= self.vocab_size:
+            return f"<out-of-range id {token_id}>"
         if token_id >= len(self.tokenizer):
             return f"<padding id {token_id}>"
         return self.tokenizer.convert_ids_to_tokens(int(token_id))

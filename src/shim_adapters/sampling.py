@@ -31,6 +31,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from .bitmask import allocate_token_bitmask, bitmask_to_bool, rows_with_any
 from .errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
 from .protocol import Masker, MaskerState
 
@@ -210,6 +211,8 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
     errors: list[str] = []
     forward = 0
     rows = np.arange(n)  # batch position -> row, for the rows still in the batch
+    width = constraint.vocab_size if constraint is not None else 0
+    bitmask = allocate_token_bitmask(n, width) if constraint is not None else None
     with torch.no_grad():
         cache = prefilled.cache(n)
         logits = prefilled.last_logits.expand(n, -1)
@@ -217,12 +220,17 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
             logp = torch.log_softmax(logits.float(), dim=-1)
             masks = row_logz = None
             if constraint is not None:
-                masks = _masks(states, rows, step, timer, dead_end=masker is not None)
-                allowed_t = torch.from_numpy(masks)
-                row_logz = torch.logsumexp(logp.masked_fill(~allowed_t, float("-inf")),
-                                           dim=-1).numpy()
+                bits = _fill(bitmask, states, rows, step, timer, dead_end=masker is not None)
+                if recorder is not None or (masker is not None and adjuster is not None
+                                            and not hasattr(adjuster, "add_log_gamma_")):
+                    masks = bitmask_to_bool(bits, width).numpy()
+                t0 = time.perf_counter()
+                allowed_logp = logp.clone()
+                constraint.apply_token_bitmask_(allowed_logp, bits)
+                row_logz = torch.logsumexp(allowed_logp, dim=-1).numpy()
+                timer.add("apply", time.perf_counter() - t0)
             if masker is not None:
-                q = _proposal(logp, allowed_t, masks, rows, states, adjuster, defensive, step,
+                q = _proposal(allowed_logp, masks, rows, states, adjuster, defensive, step,
                               timer)
             else:
                 q = logp
@@ -232,14 +240,17 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
             nxt_np = nxt.numpy()
             logp_np = logp.numpy()
             q_np = q.numpy() if masker is not None else logp_np
+            bits_np = bits.numpy() if constraint is not None else None
             for k, i in enumerate(rows):
                 t = int(nxt_np[k])
                 tokens[i].append(t)
                 lps[i].append(float(logp_np[k, t]))
                 lqs[i].append(float(q_np[k, t]))
-                if masks is not None:
-                    if not masks[k, t]:  # only a watcher can see a refused token
-                        cut[i] = True  # the watcher refuses: this row can no longer be valid
+                if constraint is not None:
+                    if not (int(bits_np[k, t >> 5]) >> (t & 31)) & 1:
+                        # only a watcher can see a refused token: this row can no longer be
+                        # valid, it stops here
+                        cut[i] = True
                         finished[i] = True
                         continue
                     logz[i].append(float(row_logz[k]))
@@ -285,41 +296,54 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
                    cut=cut, failed=failed, errors=errors)
 
 
-def _masks(states: Sequence[MaskerState], rows: np.ndarray, step: int, timer,
-           dead_end: bool) -> np.ndarray:
-    """(rows, width) bool: each live row's allowed set."""
+def _fill(bitmask: torch.Tensor, states: Sequence[MaskerState], rows: np.ndarray, step: int,
+          timer, dead_end: bool) -> torch.Tensor:
+    """Each live row's allowed set, packed (XGrammar's layout) into the first rows of
+    ``bitmask``; a row with no allowed token raises :class:`DeadEndError` (masked runs)."""
     phase = "first_mask" if step == 0 else "mask"
-    out = np.empty((len(rows), states[0].masker.vocab_size), dtype=bool)
+    bits = bitmask[: len(rows)]
+    t0 = time.perf_counter()
     for k, i in enumerate(rows):
-        t0 = time.perf_counter()
-        out[k] = states[i].allowed_mask()
-        timer.add(phase, time.perf_counter() - t0)
-        if dead_end and not out[k].any():
+        states[i].fill_next_token_bitmask(bits, k)
+    timer.add(phase, time.perf_counter() - t0)
+    if dead_end:
+        alive = rows_with_any(bits, states[rows[0]].masker.vocab_size)
+        if not bool(alive.all()):
+            k = int(np.flatnonzero(~alive.numpy())[0])
+            i = rows[k]
             raise DeadEndError(states[i].step, states[i].describe(), row=int(i))
-    return out
+    return bits
 
 
-def _proposal(logp: torch.Tensor, allowed: torch.Tensor, masks: np.ndarray, rows: np.ndarray,
+def _proposal(allowed_logp: torch.Tensor, masks: np.ndarray | None, rows: np.ndarray,
               states: Sequence[MaskerState], adjuster, defensive: float, step: int,
               timer) -> torch.Tensor:
-    """Log-probabilities of the masked (re-weighted, mixed) per-step proposal."""
+    """Log-probabilities of the masked (re-weighted, mixed) per-step proposal.
+
+    ``allowed_logp``: the LM's log-probabilities with forbidden tokens at -inf. A SHIM adjuster
+    adds its cached β·log γ̂ in place (one ``index_add_``); other adjusters (ASAp's trie) give
+    values per allowed token."""
     t0 = time.perf_counter()
-    masked = torch.log_softmax(logp.masked_fill(~allowed, float("-inf")), dim=-1)
+    masked = torch.log_softmax(allowed_logp, dim=-1)
     timer.add("apply", time.perf_counter() - t0)
     if adjuster is None:
         return masked
-    allowed_ids = [np.flatnonzero(m) for m in masks]
-    t0 = time.perf_counter()
-    log_gamma = adjuster.log_gamma([states[i] for i in rows], allowed_ids)
-    timer.add("gamma", time.perf_counter() - t0)
     t0 = time.perf_counter()
     scores = masked.clone()
-    for k, (ids, lg) in enumerate(zip(allowed_ids, log_gamma)):
-        lg_t = torch.as_tensor(np.asarray(lg, dtype=np.float32))
-        if lg_t.shape != (len(ids),) or not torch.isfinite(lg_t).all():
-            raise ValueError(f"adjuster returned {tuple(lg_t.shape)} values (finite required) "
-                             f"for {len(ids)} allowed tokens at step {step}")
-        scores[k, torch.as_tensor(ids)] += lg_t
+    live = [states[i] for i in rows]
+    if hasattr(adjuster, "add_log_gamma_"):
+        adjuster.add_log_gamma_(scores, live)
+    else:
+        allowed_ids = [np.flatnonzero(m) for m in masks]
+        log_gamma = adjuster.log_gamma(live, allowed_ids)
+        for k, (ids, lg) in enumerate(zip(allowed_ids, log_gamma)):
+            lg_t = torch.as_tensor(np.asarray(lg, dtype=np.float32))
+            if lg_t.shape != (len(ids),) or not torch.isfinite(lg_t).all():
+                raise ValueError(f"adjuster returned {tuple(lg_t.shape)} values (finite "
+                                 f"required) for {len(ids)} allowed tokens at step {step}")
+            scores[k, torch.as_tensor(ids)] += lg_t
+    timer.add("gamma", time.perf_counter() - t0)
+    t0 = time.perf_counter()
     adjusted = torch.log_softmax(scores, dim=-1)
     if 0.0 < defensive < 1.0:
         adjusted = torch.logaddexp(masked + float(np.log(defensive)),

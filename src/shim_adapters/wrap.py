@@ -13,7 +13,10 @@ what a bare processor cannot check by itself:
   another row's state;
 - a backend processor may never allow a token the controller's masker forbids
   (:class:`BackendDisagreementError`): it means the processor compiled another grammar or
-  tokenizer than the controller was fitted for. Tokens the backend forbids stay forbidden, so
+  tokenizer than the controller was fitted for, or stopped constraining. One exception:
+  control/special tokens (``<|im_start|>``, ``<unk>``...; EOS excluded), which some backends
+  let through wherever their literal text would fit, are masked with one :class:`ShimWarning`
+  naming them (they are never emitted as text). Tokens the backend forbids stay forbidden, so
   the backend's own guarantee is kept, and a row left with no token fails closed
   (:class:`~shim_adapters.errors.DeadEndError`).
 
@@ -27,16 +30,17 @@ refused by a wrapper of backend B.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 
 from .artefact import check_manifest, load_controller, read_manifest
 from .controller import Controller
 from .correction import ShimAdjuster
 from .errors import DeadEndError, GrammarError, ShimError, VocabMismatchError
+from .bitmask import bitmask_to_bool
 from .generation import MaskedLogitsProcessor
 from .grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from .protocol import Masker, MaskerState
@@ -56,6 +60,10 @@ class UnsupportedDecodingError(ShimError):
 
 class BackendDisagreementError(ShimError):
     """The wrapped processor allows a token the controller's masker forbids."""
+
+
+class ShimWarning(UserWarning):
+    """A wrapper corrected something the wrapped processor did (e.g. masked a control token)."""
 
 
 # ---- controllers and their manifests ---------------------------------------------------------
@@ -134,6 +142,9 @@ class ShimWrapper(MaskedLogitsProcessor):
         self.states: list[MaskerState] = []
         self._prompt_length: int | None = None
         self._n_tokens = len(masker.tokenizer)  # len() of a fast tokenizer is not free
+        self._bitmask = None
+        self._eos_row = None
+        self._warned_special: set[int] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def reset(self, states: Sequence[MaskerState] | None = None) -> None:
@@ -206,7 +217,7 @@ class ShimWrapper(MaskedLogitsProcessor):
         if scores.shape[-1] != width:
             raise VocabMismatchError(f"model logits have width {scores.shape[-1]} but the masker "
                                      f"was compiled for {width}")
-        was_neginf = torch.isneginf(scores).cpu().numpy() if self.backend is not None else None
+        was_neginf = torch.isneginf(scores) if self.backend is not None else None
         if self.backend is not None:
             scores = self.backend(input_ids, scores)
         if first:
@@ -216,37 +227,78 @@ class ShimWrapper(MaskedLogitsProcessor):
             for row, (state, token) in enumerate(zip(self.states, new)):
                 if token is not None:
                     self._consume(row, state, token)
-        mask = self.allowed_masks()  # finished rows: EOS only; DeadEndError on an empty row
+        bitmask = self.fill_bitmask()  # finished rows: EOS only; DeadEndError on an empty row
         if self.backend is not None:
-            mask = self._agree(mask, ~torch.isneginf(scores).cpu().numpy(), was_neginf)
-        mask_t = torch.from_numpy(mask).to(scores.device)
-        scores = scores.masked_fill(~mask_t, float("-inf"))
-        return self._apply_adjuster(scores, mask_t)
+            self._agree(bitmask, scores, was_neginf)
+        self.masker.apply_token_bitmask_(scores, bitmask)
+        if self.backend is not None:
+            self._check_not_empty(scores)
+        if self.adjuster is not None:
+            self._apply_adjuster(scores)
+        return scores
 
-    def _agree(self, state_mask: np.ndarray, backend_allowed: np.ndarray,
-               was_neginf: np.ndarray) -> np.ndarray:
-        """Intersect with the backend's mask; refuse tokens only the backend allows."""
-        out = state_mask.copy()
+    def _special_ids(self) -> torch.Tensor:
+        """Control tokens of the tokenizer (EOS excluded): never output text."""
+        cached = getattr(self, "_special_cache", None)
+        if cached is None:
+            tok = self.masker.tokenizer
+            ids = set(getattr(tok, "all_special_ids", ())) | {
+                i for i, t in getattr(tok, "added_tokens_decoder", {}).items()
+                if getattr(t, "special", False)}
+            ids -= set(self.masker.eos_token_ids)
+            cached = torch.zeros(self.masker.vocab_size, dtype=torch.bool)
+            cached[sorted(i for i in ids if 0 <= i < self.masker.vocab_size)] = True
+            self._special_cache = cached
+        return cached
+
+    def _agree(self, bitmask: torch.Tensor, scores: torch.FloatTensor,
+               was_neginf: torch.Tensor) -> None:
+        """Refuse tokens only the backend allows, except control tokens (masked, one warning).
+
+        The backend's own -inf stay in ``scores``; applying ``bitmask`` afterwards intersects
+        the two masks."""
+        n_tokens = self._n_tokens
+        ours = bitmask_to_bool(bitmask, self.masker.vocab_size).to(scores.device)
+        extra = ~torch.isneginf(scores) & ~ours & ~was_neginf
         # ids past the tokenizer (logit padding) have no text: some backends leave them
         # unmasked; they are masked here and are no sign of another grammar
-        n_tokens = self._n_tokens
+        extra[:, n_tokens:] = False
         for row, state in enumerate(self.states):
             if state.is_finished:
-                continue
-            extra = np.flatnonzero((backend_allowed[row] & ~state_mask[row] & ~was_neginf[row])
-                                   [:n_tokens])
-            if len(extra):
-                shown = ", ".join(f"{t} ({self.masker.token_text(t)!r})" for t in extra[:5])
-                raise BackendDisagreementError(
-                    f"the wrapped {self.masker.backend_name} processor allows {len(extra)} "
-                    f"token(s) at step {state.step}, batch row {row}, that the controller's "
-                    f"grammar forbids: {shown}. The processor's grammar or tokenizer is not the "
-                    f"one the controller was fitted for (or the processor stopped constraining)"
-                    f"; refusing to continue. State: {state.describe()}")
-            out[row] &= backend_allowed[row]
-            if not out[row].any():
-                raise DeadEndError(state.step, state.describe(), row=row)
-        return out
+                extra[row] = False
+        if not bool(extra.any()):
+            return
+        special = extra & self._special_ids().to(extra.device)
+        if bool(special.any()):
+            ids = sorted(set(torch.nonzero(special)[:, 1].tolist()))
+            new = [i for i in ids if i not in self._warned_special]
+            if new:
+                self._warned_special.update(new)
+                shown = ", ".join(f"{t} ({self.masker.token_text(t)!r})" for t in new[:8])
+                warnings.warn(
+                    f"the wrapped {self.masker.backend_name} processor allows control token(s) "
+                    f"{shown} inside the output; they are masked (control tokens are never "
+                    f"emitted as text)", ShimWarning, stacklevel=3)
+            extra &= ~special
+        if not bool(extra.any()):
+            return
+        row = int(torch.nonzero(extra.any(dim=1))[0, 0])
+        state = self.states[row]
+        ids = torch.nonzero(extra[row])[:, 0].tolist()
+        shown = ", ".join(f"{t} ({self.masker.token_text(t)!r})" for t in ids[:5])
+        raise BackendDisagreementError(
+            f"the wrapped {self.masker.backend_name} processor allows {len(ids)} "
+            f"token(s) at step {state.step}, batch row {row}, that the controller's "
+            f"grammar forbids: {shown}. The processor's grammar or tokenizer is not the "
+            f"one the controller was fitted for (or the processor stopped constraining)"
+            f"; refusing to continue. State: {state.describe()}")
+
+    def _check_not_empty(self, scores: torch.FloatTensor) -> None:
+        empty = torch.isneginf(scores).all(dim=1)
+        if bool(empty.any()):
+            row = int(torch.nonzero(empty)[0, 0])
+            state = self.states[row]
+            raise DeadEndError(state.step, state.describe(), row=row)
 
 
 def shim_logits_processor(masker: Masker, controller: ControllerLike,

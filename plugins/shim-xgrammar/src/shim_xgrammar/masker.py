@@ -132,7 +132,7 @@ class XGrammarMasker(Masker):
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None, *,
                  stop_token_ids: Sequence[int] | None = None,
-                 start_positions: str = "absolute"):
+                 start_positions: str = "absolute", position_feature: bool = True):
         import xgrammar as xgr
 
         if grammar.format not in GRAMMAR_FORMATS:
@@ -162,6 +162,11 @@ class XGrammarMasker(Masker):
                                               if i < self.tokenizer_size), dtype=np.int64)
         self._special_ids = frozenset(self._special_array.tolist())
         self.start_positions = start_positions
+        #: Whether the byte position is a feature (``extra["position"]``). Without it and with
+        #: ``start_positions="none"`` the features forget absolute offsets, so states recur
+        #: far more often (γ cache hits) at the price of nesting depth.
+        self.position_feature = bool(position_feature)
+        self._position_free = start_positions == "none" and not position_feature
 
         #: Capability report: ("exact",) or what the Lark -> EBNF conversion lowered.
         self.conversion_notes: tuple[str, ...] = ("exact",)
@@ -178,6 +183,7 @@ class XGrammarMasker(Masker):
                                         self.vocab_size, self.eos_token_ids)
         self._xgr = xgr
         self._bitmask_shape = xgr.get_bitmask_shape(1, self.vocab_size)
+        self._prepare_fixup()
         #: rule_id -> rule name, read from the compiled grammar's printed form (ids follow it).
         self.rule_names: tuple[str, ...] = tuple(
             line.split(" ::= ", 1)[0] for line in str(self.compiled.grammar).splitlines()
@@ -186,6 +192,26 @@ class XGrammarMasker(Masker):
         probe = xgr.GrammarMatcher(self.compiled)
         if parse_internal_state(probe._debug_print_internal_state()) is None:
             self._use_fallback_features("at start")
+
+    def _prepare_fixup(self) -> None:
+        """The few bitmask words XGrammar's fill gets wrong for us: control tokens (it lets
+        them through), logit padding, and EOS (allowed exactly when the matcher completes)."""
+        words = self._bitmask_shape[1]
+        clear = np.zeros(words * 32, dtype=bool)
+        clear[self._special_array] = True
+        clear[self.tokenizer_size:] = True
+        clear[self._eos_array] = True
+        eos = np.zeros(words * 32, dtype=bool)
+        eos[self._eos_array] = True
+        packed_clear = np.packbits(clear, bitorder="little").view(np.int32)
+        packed_eos = np.packbits(eos, bitorder="little").view(np.int32)
+        self._fix_words = np.flatnonzero(packed_clear)
+        self._fix_keep = ~packed_clear[self._fix_words]
+        self._fix_eos = packed_eos[self._fix_words]
+
+    def apply_token_bitmask_(self, logits, bitmask) -> None:
+        """XGrammar's own kernel (CPU and CUDA)."""
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
     def _use_fallback_features(self, where: str) -> None:
         if self.feature_status != FALLBACK_FEATURES:
@@ -206,6 +232,21 @@ class XGrammarMasker(Masker):
         if 0 <= rule_id < len(self.rule_names):
             return self.rule_names[rule_id]
         return f"rule{rule_id}"
+
+
+#: What a position-free feature key leaves out of XGrammar's dump: every byte offset.
+_POSITIONS = re.compile(r"There are \d+ steps|rule_start_pos=-?\d+")
+_STARTS = re.compile(r"rule_start_pos=(-?\d+)")
+
+_VIEW: list = [None, None]  # (tensor, its numpy view): the caller reuses one bitmask
+
+
+def _numpy_view(bitmask) -> np.ndarray:
+    if isinstance(bitmask, np.ndarray):
+        return bitmask
+    if _VIEW[0] is not bitmask:
+        _VIEW[0], _VIEW[1] = bitmask, bitmask.numpy()
+    return _VIEW[1]
 
 
 class XGrammarState(MaskerState):
@@ -231,6 +272,42 @@ class XGrammarState(MaskerState):
         mask[masker._special_array] = False
         mask[masker._eos_array] = self._matcher.is_completed()
         return mask
+
+    def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
+        """XGrammar's own fill into the caller's bitmask, then the few words it gets wrong."""
+        words = _numpy_view(bitmask)[row]
+        if self._finished:
+            words[:] = 0
+            return
+        self._fill_raw(bitmask, row)
+        masker = self.masker
+        fix = masker._fix_words
+        if self._matcher.is_completed():
+            words[fix] = (words[fix] & masker._fix_keep) | masker._fix_eos
+        else:
+            words[fix] &= masker._fix_keep
+
+    def _fill_raw(self, bitmask, row: int) -> None:
+        """XGrammar's mask for this row, before the fix-ups."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def feature_key(self):
+        """XGrammar's raw state dump: it determines the features, and skips their parse."""
+        if self._finished:
+            return ("finished",)
+        if self.masker.feature_status["parser_state"] is not FeatureStatus.EXACT:
+            return super().feature_key()
+        dump = self._matcher._debug_print_internal_state()
+        if self.masker._position_free:
+            # offsets out; their order stays in (it orders parser_state, innermost first)
+            starts = [int(p) for p in _STARTS.findall(dump)]
+            order = {p: i for i, p in enumerate(sorted(set(starts), reverse=True))}
+            return _POSITIONS.sub("", dump), tuple(order[p] for p in starts)
+        return dump
+
+    @property
+    def step(self) -> int:
+        return len(self._token_ids)
 
     def eos_allowed(self) -> bool:
         return not self._finished and self._matcher.is_completed()
@@ -286,6 +363,8 @@ class XGrammarState(MaskerState):
         lexer_state = frozenset(
             (f"{masker.rule_name(item.rule_id)}.e{item.element_id}", item.sub_element_id)
             for item in state.items)
+        extra = {"n_items": len(state.items)}
+        if masker.position_feature:
+            extra["position"] = state.position
         return StateFeatures(parser_state=parser_state, lexer_state=lexer_state,
-                             partial_lexeme=None,
-                             extra={"position": state.position, "n_items": len(state.items)})
+                             partial_lexeme=None, extra=extra)

@@ -38,6 +38,17 @@ class BorrowedMatcherState(XGrammarState):
         if int(token_id) in self.masker.eos_token_ids:
             self._finished = True
 
+    def borrow_bitmask(self, processor, row: int) -> None:
+        """Take this row's mask from the owning processor's bitmask (it filled it this call)
+        instead of filling it a second time."""
+        self._processor, self._row = processor, row
+
+    def _fill_raw(self, bitmask, row: int) -> None:
+        processor = getattr(self, "_processor", None)
+        if processor is None:
+            return super()._fill_raw(bitmask, row)
+        bitmask[row] = processor.token_bitmask[self._row]
+
     def advance(self, token_id: int) -> None:
         raise TypeError("this state's matcher is advanced by XGrammar's processor; use "
                         "record(), or fork() for an independent state")
@@ -67,7 +78,10 @@ class ShimXGrammarProcessor(ShimWrapper):
         if len(matchers) != rows:
             raise RuntimeError(f"XGrammar's processor holds {len(matchers)} matchers for "
                                f"{rows} rows")
-        return [BorrowedMatcherState(self.masker, m, [], False) for m in matchers]
+        states = [BorrowedMatcherState(self.masker, m, [], False) for m in matchers]
+        for row, state in enumerate(states):
+            state.borrow_bitmask(self.inner, row)
+        return states
 
     def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
         state.record(token_id)

@@ -1,0 +1,232 @@
+"""Per-step cost of masks and SHIM's γ, side by side with XGrammar's own fill + accept.
+
+For each tokenizer (the shipped LM's ~1k, GPT-2 50k, Qwen2.5 152k) and grammar (bv4, json),
+an LR_FULL controller is fitted (the shipped LM's samples; for the large tokenizers they are
+re-tokenised and replayed, as in ``correction_overhead.py``), then ``B`` rows (1 / 16 / 32)
+replay masked samples of the shipped LM in lock-step and each decoding step is timed, all
+phases in the same loop on the same states:
+
+- ``xgr fill+accept``: XGrammar alone: ``fill_next_token_bitmask`` + ``accept_token`` per row;
+- ``plugin fill+advance``: the same through the plugin (``MaskerState.fill_next_token_bitmask``
+  + ``advance``);
+- ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
+  the core's torch bit operations (:func:`shim_adapters.bitmask.apply_token_bitmask_`);
+- ``γ hit``: ``ShimAdjuster.add_log_gamma_`` with the γ cache warm;
+- ``γ miss``: the same with the cache emptied before the step (the miss path);
+- ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row).
+
+Hit rates are those of the first (cold) pass over the samples in batch order. Torch pinned to
+one thread. Medians (p50) and p99 in µs per batch step.
+
+    python benchmarks/gamma_mask_cost.py [--samples 32] [--passes 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+import xgrammar as xgr  # noqa: E402
+from threadpoolctl import threadpool_limits  # noqa: E402
+
+from shim_adapters.bitmask import allocate_token_bitmask, apply_token_bitmask_  # noqa: E402
+from shim_adapters.controller import LR_FULL  # noqa: E402
+from shim_adapters.correction import ShimAdjuster  # noqa: E402
+from shim_adapters.generation import generate_masked  # noqa: E402
+from shim_adapters.grammar import builtin_grammar  # noqa: E402
+from shim_adapters.lm import load_lm  # noqa: E402
+from shim_adapters.plugins import get_backend  # noqa: E402
+from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
+from shim_adapters.training_data import sample_training_data  # noqa: E402
+
+_here = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("correction_overhead",
+                                               _here / "correction_overhead.py")
+_co = importlib.util.module_from_spec(_spec)
+sys.modules["correction_overhead"] = _co
+_spec.loader.exec_module(_co)
+replay_texts = _co.replay_texts
+
+
+def replayable(masker, texts):
+    """Token sequences (EOS appended) of ``texts`` that the masker accepts to the end."""
+    eos = min(masker.eos_token_ids)
+    out = []
+    for text in texts:
+        ids = masker.tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+        state = masker.new_state()
+        try:
+            for t in ids:
+                state.advance(t)
+        except Exception:
+            continue
+        out.append(ids)
+    return out
+
+
+def pct(values, q):
+    return float(np.percentile(values, q)) * 1e6
+
+
+def time_batch(masker, adjuster, seqs, batch, passes):
+    """Per-step seconds of each phase; rows cycle through ``seqs``."""
+    width = masker.vocab_size
+    bitmask = allocate_token_bitmask(batch, width)
+    own_mask = allocate_token_bitmask(batch, width)
+    base = torch.randn(batch, width)
+    logits = base.clone()
+    times = {k: [] for k in ("xgr own", "xgr apply", "core apply", "plugin mask", "γ hit",
+                             "γ miss", "γ old")}
+    hit_info = None
+    for p in range(passes):
+        if p == 0:
+            adjuster.cache.clear()
+        nxt = [r % len(seqs) for r in range(batch)]
+        rows = [(masker.new_state(), xgr.GrammarMatcher(masker.compiled), seqs[nxt[r]], 0)
+                for r in range(batch)]
+        next_seq = batch
+        total_steps = sum(len(s) for s in seqs)
+        done_steps = 0
+        while done_steps < total_steps:
+            states = [r[0] for r in rows]
+            # XGrammar alone
+            logits.copy_(base)
+            t0 = time.perf_counter()
+            for r, (_, matcher, seq, i) in enumerate(rows):
+                matcher.fill_next_token_bitmask(own_mask, r)
+            for r, (_, matcher, seq, i) in enumerate(rows):
+                matcher.accept_token(seq[i])
+            t1 = time.perf_counter()
+            xgr.apply_token_bitmask_inplace(logits, own_mask)
+            ta = time.perf_counter()
+            logits.copy_(base)
+            tb = time.perf_counter()
+            apply_token_bitmask_(logits, own_mask)
+            tc = time.perf_counter()
+            times["xgr apply"].append(ta - t1)
+            times["core apply"].append(tc - tb)
+            # plugin mask (advance timed below, after γ has read the state)
+            logits.copy_(base)
+            t2 = time.perf_counter()
+            for r, state in enumerate(states):
+                state.fill_next_token_bitmask(bitmask, r)
+            t3 = time.perf_counter()
+            masker.apply_token_bitmask_(logits, bitmask)
+            # γ, cache as it is (first pass: cold, later passes: warm)
+            t4 = time.perf_counter()
+            adjuster.add_log_gamma_(logits, states)
+            t5 = time.perf_counter()
+            if p > 0:
+                times["γ hit"].append(t5 - t4)
+                # miss path: the same step with the γ cache emptied (encoder caches warm)
+                saved = (adjuster.cache._by_key.copy(), adjuster.cache._by_encoding.copy(),
+                         adjuster.cache._bytes, adjuster.cache._key_bytes,
+                         adjuster.cache.hits, adjuster.cache.encoding_hits,
+                         adjuster.cache.misses)
+                adjuster.cache._by_key.clear()
+                adjuster.cache._by_encoding.clear()
+                t6 = time.perf_counter()
+                adjuster.add_log_gamma_(logits, states)
+                t7 = time.perf_counter()
+                c = adjuster.cache
+                (c._by_key, c._by_encoding, c._bytes, c._key_bytes, c.hits, c.encoding_hits,
+                 c.misses) = saved
+                times["γ miss"].append(t7 - t6)
+                # the previous path: allowed ids, log_gamma, one index add per row
+                t8 = time.perf_counter()
+                mask = ~torch.isneginf(logits)
+                allowed = [np.flatnonzero(m) for m in mask.numpy()]
+                lgs = adjuster.log_gamma(states, allowed)
+                for r, (ids, lg) in enumerate(zip(allowed, lgs)):
+                    logits[r, torch.from_numpy(ids)] += torch.from_numpy(lg).float()
+                t9 = time.perf_counter()
+                times["γ old"].append(t9 - t8)
+            t10 = time.perf_counter()
+            for state, (_, _, seq, i) in zip(states, rows):
+                state.advance(seq[i])
+            t11 = time.perf_counter()
+            times["xgr own"].append(t1 - t0)
+            times["plugin mask"].append(t3 - t2 + t11 - t10)
+            # move rows on; a finished row starts the next sequence
+            new_rows = []
+            for state, matcher, seq, i in rows:
+                done_steps += 1
+                if i + 1 < len(seq):
+                    new_rows.append((state, matcher, seq, i + 1))
+                else:
+                    s = seqs[next_seq % len(seqs)]
+                    next_seq += 1
+                    new_rows.append((masker.new_state(), xgr.GrammarMatcher(masker.compiled),
+                                     s, 0))
+            rows = new_rows
+        if p == 0:
+            hit_info = adjuster.cache_info()
+    return times, hit_info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=32, help="masked samples replayed")
+    parser.add_argument("--train", type=int, default=150, help="completions to fit on")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--grammars", default="bv4,json")
+    parser.add_argument("--batches", default="1,16,32")
+    args = parser.parse_args()
+    lm = load_lm(None)
+    backend = get_backend("xgrammar")
+    toks = [("shipped", lm.tokenizer, lm.vocab_size)]
+    for name in ("gpt2", "qwen2.5"):
+        toks.append((name, load_offline_tokenizer(name), offline_logits_width(name)))
+    lines = []
+    head = ("| tokenizer | vocab | grammar | batch | xgr fill+accept p50 | plugin fill+advance "
+            "p50 | xgr apply p50 | core apply p50 | γ hit p50 | γ hit p99 | γ miss p50 | "
+            "γ old p50 | γ hit / xgr fill+accept | hit rate | head-skip rate | cache KiB |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    with threadpool_limits(limits=1):
+        for gname in args.grammars.split(","):
+            grammar = builtin_grammar(gname)
+            own = backend.compile(grammar, lm.tokenizer, lm.vocab_size)
+            data = sample_training_data(lm, own, grammar.default_prompt, args.train,
+                                        max_new_tokens=96, seed=0, progress=False)
+            masked = generate_masked(lm.model, lm.tokenizer, own, grammar.default_prompt,
+                                     args.samples, max_new_tokens=96, seed=1)
+            texts = [t for t, c in zip(masked.texts, masked.complete) if c]
+            for tname, tokenizer, width in toks:
+                masker = own if tname == "shipped" else backend.compile(grammar, tokenizer,
+                                                                        width)
+                d = data if tname == "shipped" else replay_texts(masker, data.texts,
+                                                                 data.valid.copy())
+                ctrl = LR_FULL(n_splits=2).fit(d)
+                seqs = replayable(masker, texts)
+                for batch in (int(b) for b in args.batches.split(",")):
+                    adjuster = ShimAdjuster(ctrl)
+                    times, info = time_batch(masker, adjuster, seqs, batch, args.passes)
+                    own_p50 = pct(times["xgr own"], 50)
+                    hit_p50 = pct(times["γ hit"], 50)
+                    lines.append(
+                        f"| {tname} | {width} | {gname} | {batch} | {own_p50:.1f} | "
+                        f"{pct(times['plugin mask'], 50):.1f} | "
+                        f"{pct(times['xgr apply'], 50):.1f} | "
+                        f"{pct(times['core apply'], 50):.1f} | {hit_p50:.1f} | "
+                        f"{pct(times['γ hit'], 99):.1f} | {pct(times['γ miss'], 50):.1f} | "
+                        f"{pct(times['γ old'], 50):.1f} | {hit_p50 / own_p50:.2f} | "
+                        f"{info['hit_rate']:.2f} | {info['head_skip_rate']:.2f} | "
+                        f"{info['bytes'] / 1024:.0f} |")
+                    print(lines[-1], flush=True)
+    print()
+    print("\n".join(lines))
+    print(f"\nµs per batch step, torch threads = {torch.get_num_threads()}; LR_FULL fitted on "
+          f"{args.train} completions; {args.samples} masked samples replayed, {args.passes} "
+          f"passes (the first, cold, gives the hit rates)")
+
+
+if __name__ == "__main__":
+    main()

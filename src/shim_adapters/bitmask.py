@@ -1,0 +1,110 @@
+"""Packed token bitmasks in XGrammar's layout (the layout vLLM and SGLang pass around).
+
+A batch's masks are one int32 tensor of shape ``(batch, ceil(vocab_size / 32))``; token ``t``
+of row ``r`` is allowed when bit ``t % 32`` (least significant first) of word ``t // 32`` is
+set. Bits past ``vocab_size`` are ignored. A state fills its row in place
+(:meth:`~shim_adapters.protocol.MaskerState.fill_next_token_bitmask`), and
+:func:`apply_token_bitmask_` masks a batch of logits with a few vectorised torch bit
+operations, so no per-row bool array or ``.cpu().numpy()`` round trip is on the hot path.
+The core imports no backend: a masker may hand in its backend's own kernel instead
+(:meth:`~shim_adapters.protocol.Masker.apply_token_bitmask_`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: Bits per bitmask word.
+BITS_PER_WORD = 32
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words per row for ``vocab_size`` tokens."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    return (int(vocab_size) + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """A ``(batch_size, words)`` int32 CPU tensor with every bit set (everything allowed),
+    as ``xgrammar.allocate_token_bitmask`` makes it."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return torch.full((batch_size, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def pack_mask(mask: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Pack a bool mask over the vocabulary into int32 words (``out``: one row to fill)."""
+    mask = np.asarray(mask, dtype=bool)
+    words = bitmask_words(len(mask))
+    packed = np.packbits(mask, bitorder="little")
+    padded = np.zeros(words * 4, dtype=np.uint8)
+    padded[:len(packed)] = packed
+    if out is None:
+        return padded.view(np.int32).copy()
+    if out.shape != (words,) or out.dtype != np.int32:
+        raise ValueError(f"bitmask row has shape {out.shape} and dtype {out.dtype}; expected "
+                         f"({words},) int32 for {len(mask)} tokens")
+    out[:] = padded.view(np.int32)
+    return out
+
+
+def unpack_bitmask(row: np.ndarray | torch.Tensor, vocab_size: int) -> np.ndarray:
+    """The bool mask of one bitmask row (``allowed_mask()``'s form)."""
+    if isinstance(row, torch.Tensor):
+        row = row.detach().cpu().numpy()
+    row = np.ascontiguousarray(row, dtype=np.int32)
+    return np.unpackbits(row.view(np.uint8), count=int(vocab_size), bitorder="little").view(bool)
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    s = _SHIFTS.get(device)
+    if s is None:
+        s = _SHIFTS[device] = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=device)
+    return s
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(batch, vocab_size) bool tensor of a packed bitmask (torch bit operations only)."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
+        raise ValueError(f"bitmask must be a 2-D int32 tensor, got {bitmask.dim()}-D "
+                         f"{bitmask.dtype}")
+    if bitmask.shape[1] * BITS_PER_WORD < vocab_size:
+        raise ValueError(f"bitmask has {bitmask.shape[1]} words per row: too few for "
+                         f"{vocab_size} tokens")
+    bits = torch.bitwise_and(torch.bitwise_right_shift(bitmask.unsqueeze(-1),
+                                                       _shifts(bitmask.device)), 1)
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set ``logits[r, t]`` to -inf wherever bit t of row r is clear; in place, returns logits.
+
+    ``logits``: (batch, vocab) on any device; ``bitmask``: (batch, words) int32 (moved to the
+    logits' device if needed). Columns past the bitmask's ``words * 32`` are masked too.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} must "
+                         f"be 2-D with the same number of rows")
+    width = logits.shape[1]
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    covered = min(width, bitmask.shape[1] * BITS_PER_WORD)
+    allowed = bitmask_to_bool(bitmask, covered)
+    logits[:, :covered].masked_fill_(~allowed, float("-inf"))
+    if covered < width:
+        logits[:, covered:] = float("-inf")
+    return logits
+
+
+def rows_with_any(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(batch,) bool: which rows allow at least one of the first ``vocab_size`` tokens."""
+    full, rest = divmod(int(vocab_size), BITS_PER_WORD)
+    any_ = (bitmask[:, :full] != 0).any(dim=1)
+    if rest:
+        any_ |= (bitmask[:, full] & ((1 << rest) - 1)) != 0
+    return any_

@@ -1,0 +1,110 @@
+"""Packed bitmasks: the core's torch kernel, each backend's fill, and the processor using them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shim_adapters.bitmask import (allocate_token_bitmask, apply_token_bitmask_, bitmask_words,
+                                   pack_mask, rows_with_any, unpack_bitmask)
+from shim_adapters.errors import ForbiddenTokenError
+from shim_adapters.grammar import builtin_grammar
+from shim_adapters.plugins import get_backend
+
+torch.set_num_threads(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(1, 200), batch=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_pack_apply_round_trip(vocab, batch, seed):
+    rng = np.random.default_rng(seed)
+    masks = rng.random((batch, vocab)) < 0.3
+    bitmask = allocate_token_bitmask(batch, vocab)
+    assert bitmask.shape == (batch, bitmask_words(vocab)) and bitmask.dtype == torch.int32
+    assert (bitmask == -1).all()  # allocated allowing everything, like XGrammar's
+    for r in range(batch):
+        pack_mask(masks[r], out=bitmask[r].numpy())
+        np.testing.assert_array_equal(unpack_bitmask(bitmask[r], vocab), masks[r])
+    logits = torch.randn(batch, vocab)
+    before = logits.clone()
+    apply_token_bitmask_(logits, bitmask)
+    m = torch.from_numpy(masks)
+    assert torch.isneginf(logits[~m]).all()
+    assert torch.equal(logits[m], before[m])
+    assert torch.equal(rows_with_any(bitmask, vocab), m.any(dim=1))
+
+
+def test_columns_past_the_bitmask_are_masked():
+    bitmask = allocate_token_bitmask(1, 40)
+    logits = torch.zeros(1, 70)
+    apply_token_bitmask_(logits, bitmask)
+    assert torch.isfinite(logits[0, :64]).all() and torch.isneginf(logits[0, 64:]).all()
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="same number of rows"):
+        apply_token_bitmask_(torch.zeros(2, 10), allocate_token_bitmask(1, 10))
+    with pytest.raises(ValueError, match="expected"):
+        pack_mask(np.ones(40, bool), out=np.zeros(3, np.int32))
+
+
+def _walk_states(masker, n_steps=25, seed=0):
+    """States along a random walk of allowed tokens (EOS avoided), the start included."""
+    rng = np.random.default_rng(seed)
+    state = masker.new_state()
+    out = [state.fork()]
+    for _ in range(n_steps):
+        allowed = [t for t in state.allowed_token_ids() if t not in masker.eos_token_ids]
+        if not allowed:
+            break
+        state.advance(int(rng.choice(allowed)))
+        out.append(state.fork())
+    return out
+
+
+@pytest.mark.parametrize("backend,grammar", [("xgrammar", "json"), ("xgrammar", "bv4"),
+                                             ("syncode", "bv4"), ("outlines", "binary5")])
+def test_every_backend_fills_exactly_its_allowed_mask(shipped_lm, backend, grammar):
+    # XGrammar with logits wider than the tokenizer: padding ids stay masked in its fill too
+    # (the other backends' mask stores are built per width: minutes, so the shipped width)
+    pad = 37 if backend == "xgrammar" else 0
+    masker = get_backend(backend).compile(builtin_grammar(grammar), shipped_lm.tokenizer,
+                                          shipped_lm.vocab_size + pad)
+    states = _walk_states(masker)
+    bitmask = allocate_token_bitmask(len(states), masker.vocab_size)
+    for row, state in enumerate(states):
+        state.fill_next_token_bitmask(bitmask, row)
+    for row, state in enumerate(states):
+        np.testing.assert_array_equal(unpack_bitmask(bitmask[row], masker.vocab_size),
+                                      state.allowed_mask(), err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "syncode", "outlines"])
+def test_finished_state_fills_an_empty_row(shipped_lm, backend):
+    masker = get_backend(backend).compile(builtin_grammar("binary5"), shipped_lm.tokenizer,
+                                          shipped_lm.vocab_size)
+    rng = np.random.default_rng(0)
+    state = masker.new_state()
+    for _ in range(50):  # binary5 strings are short: EOS comes within a few steps
+        allowed = state.allowed_token_ids()
+        eos = [t for t in allowed if t in masker.eos_token_ids]
+        state.advance(int(eos[0] if eos else rng.choice(allowed)))
+        if state.is_finished:
+            break
+    assert state.is_finished
+    bitmask = allocate_token_bitmask(1, masker.vocab_size)
+    state.fill_next_token_bitmask(bitmask, 0)
+    assert not bitmask.any()
+
+
+@pytest.mark.parametrize("backend,grammar", [("xgrammar", "json"), ("syncode", "bv4"),
+                                             ("outlines", "binary5")])
+@pytest.mark.parametrize("bad", [-1, -2**40, 10**12])
+def test_out_of_range_token_is_forbidden_not_overflow(shipped_lm, backend, grammar, bad):
+    masker = get_backend(backend).compile(builtin_grammar(grammar), shipped_lm.tokenizer,
+                                          shipped_lm.vocab_size)
+    with pytest.raises(ForbiddenTokenError, match="out-of-range"):
+        masker.new_state().advance(bad)
