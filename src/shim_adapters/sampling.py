@@ -235,7 +235,11 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
             else:
                 q = logp
             t0 = time.perf_counter()
-            nxt = torch.multinomial(q.exp(), 1, generator=generator).squeeze(1)
+            # one uniform per row of the batch as drawn, whether or not the row is still live:
+            # a row's path depends on its own draws only (cutting or dropping other rows, or
+            # which rows finished first, never changes it)
+            u = torch.rand(n, generator=generator, dtype=torch.float64)[torch.as_tensor(rows)]
+            nxt = _inverse_cdf(q, u)
             timer.add("sample", time.perf_counter() - t0)
             nxt_np = nxt.numpy()
             logp_np = logp.numpy()
@@ -294,6 +298,16 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
                    proposal_logprobs=lqs, seconds=time.perf_counter() - start,
                    forward_tokens=forward, states=states,
                    cut=cut, failed=failed, errors=errors)
+
+
+def _inverse_cdf(log_q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token whose cumulative probability first exceeds ``u`` times the row's
+    total (a token of probability 0 is never drawn)."""
+    cdf = torch.cumsum(log_q.exp().double(), dim=-1)
+    # strictly below the total, so some cdf entry exceeds x: the index is a token of
+    # positive probability (never one past the end or a forbidden token behind the last one)
+    x = (u * cdf[:, -1] * (1.0 - 1e-12)).unsqueeze(1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
 
 def _fill(bitmask: torch.Tensor, states: Sequence[MaskerState], rows: np.ndarray, step: int,
