@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--target", default="auto")
     p.add_argument("--spider-limit", type=int, default=4)
+    p.add_argument("--first", default="",
+                   help="comma-separated problem names to run before the others of their suite")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     start = time.time()
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         done = set()
         if (out / "report.json").is_file():
             done = {c["name"] for c in EvalReport.from_json(out / "report.json").cases}
+        first = [c for c in a.first.split(",") if c in cases]
+        cases = first + [c for c in cases if c not in first]
         queues[suite] = (backend, [c for c in cases if c not in done], out)
     while any(q[1] for q in queues.values()):
         for suite, (backend, todo, out) in queues.items():
