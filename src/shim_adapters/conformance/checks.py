@@ -127,7 +127,8 @@ class CellContext:
                      detail=detail)
 
     def fail(self, result: CheckResult, repro: Repro) -> None:
-        result.add_failure(repro, match_known_bug(repro, self.masker.backend_version),
+        result.add_failure(repro, match_known_bug(repro, self.masker.backend_version,
+                                                       self.grammar),
                            keep=self.profile.keep_failures)
 
 
