@@ -173,6 +173,17 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda r, g: _is_schema_repro(r) and "\n" in (r.token_text or ""),
         applies_to=_schema_has(lambda n: n.get("type") == "object"),
         expect_reproduced=False),
+
+
+    KnownBug(
+        id="llguidance-forced-text-canonical-only", backend="outlines",
+        versions=("llguidance 1.9.1",),
+        check="completeness", kinds=("valid_token_refused",),
+        summary="llguidance allows only the canonical (longest) token where the grammar forces "
+                "text, refusing shorter tokens that split the forced text (DESIGN.md)",
+        repro="json, shipped tokenizer: after 't' the token 'r' (82) is refused, 'rue' allowed",
+        matches=lambda r, g: "forced text" in r.detail,
+        applies_to=lambda g: g.format in ("lark", "ebnf"), expect_reproduced=False),
 )
 
 
