@@ -281,7 +281,13 @@ def _walk(ctx: CellContext, strategy: str, sound: CheckResult, dead: CheckResult
         # Dead ends: follow a few allowed tokens one step.
         for t in ctx.sample(allowed, p.dead_end_tokens_per_step):
             nxt = state.fork()
-            nxt.advance(int(t))
+            try:
+                nxt.advance(int(t))
+            except ShimError as exc:
+                ctx.fail(sound, ctx.repro("soundness", "advance_refuses_allowed", ids, int(t),
+                                          f"the mask allows this token but advance() refuses "
+                                          f"it: {exc}"))
+                continue
             ctx.mask_calls += 1
             ok = bool(nxt.allowed_mask().any()) or nxt.eos_allowed()
             if dead.count(ok):
