@@ -422,7 +422,8 @@ def load_local_tokenizer(path: str | Path, eos: str | int | None = None):
     """A fast tokenizer from what a user has on disk, with its EOS token set.
 
     ``path``: a ``tokenizer.json`` file, a directory holding one (a ``tokenizer_config.json``
-    is optional), a full HF tokenizer directory, or a SentencePiece ``.model`` file (or a
+    is optional), a full HF tokenizer directory, or a SentencePiece model file (any other
+    file, e.g. ``tokenizer.model``; or a
     directory with ``tokenizer.model`` only). ``eos``: the EOS token (text or id); without it
     the EOS is read from the directory's ``generation_config.json``, ``tokenizer_config.json``,
     ``special_tokens_map.json`` or ``config.json``. A tokenizer whose EOS cannot be
@@ -436,7 +437,7 @@ def load_local_tokenizer(path: str | Path, eos: str | int | None = None):
     if not path.exists():
         raise ShimError(f"tokenizer path {str(path)!r} does not exist")
     directory = path if path.is_dir() else path.parent
-    if path.is_file() and path.suffix == ".model" or (
+    if path.is_file() and path.suffix != ".json" or (
             path.is_dir() and not (path / "tokenizer.json").is_file()
             and (path / "tokenizer.model").is_file()):
         model = path if path.is_file() else path / "tokenizer.model"
