@@ -296,7 +296,8 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                      **profile_overrides) -> Report:
     """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
     installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
-    names or paths relative to the file), ``exclude`` (cells with a reason))."""
+    names or paths relative to the file), ``exclude`` (cells with a reason), ``gamma``
+    (false: the γ check is reported as not run), ``fail_on``)."""
     import json
 
     path = Path(path)
@@ -309,6 +310,7 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                         spec.get("profile", "fast"), exclude=spec.get("exclude", ()),
                         progress=progress, checkpoint=checkpoint,
                         fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
+                        gamma=spec.get("gamma", True),
                         **{**spec.get("overrides", {}), **profile_overrides})
     report.meta["profile_file"] = path.name
     if spec.get("description"):
