@@ -176,6 +176,18 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 
 
     KnownBug(
+        id="outlines-core-regex-leaves-final-state", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="completeness", kinds=("valid_token_refused",),
+        summary="outlines_core 0.2.14 refuses tokens that leave a final DFA state for a "
+                "non-final one (an optional suffix after a complete match; fixed upstream, "
+                "unreleased at 0.2.14, DESIGN.md)",
+        repro="semver.regex, shipped tokenizer: after '7.3' the token '-' is refused though "
+              "'7.3-rc1' matches",
+        matches=lambda r, g: g is not None and g.format == "regex"
+        and _regex_full(g.text, r.prefix_text),
+        applies_to=lambda g: g.format == "regex" and "?" in g.text, expect_reproduced=False),
+    KnownBug(
         id="llguidance-forced-text-canonical-only", backend="outlines",
         versions=("llguidance 1.9.1",),
         check="completeness", kinds=("valid_token_refused",),
@@ -185,6 +197,16 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda r, g: "forced text" in r.detail,
         applies_to=lambda g: g.format in ("lark", "ebnf"), expect_reproduced=False),
 )
+
+
+def _regex_full(pattern: str, text: str) -> bool:
+    """Whether ``text`` is already a complete match (the DFA is in a final state)."""
+    import re
+
+    try:
+        return re.fullmatch(pattern, text) is not None
+    except re.error:
+        return False
 
 
 def _partial_utf8_bug(backend: str, version: str) -> KnownBug:

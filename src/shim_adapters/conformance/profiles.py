@@ -36,9 +36,9 @@ class Profile:
     #: (with the measured cost) when the masker is too slow to fit it within phase_budget_s.
     #: Exhaustive mask check: at most this many states (the start, then prefixes of strings
     #: generated at a fixed seed), the whole vocabulary judged at each, within this budget.
-    exhaustive_states: int = 16
+    exhaustive_states: int = 10
     exhaustive_strings: int = 4
-    exhaustive_budget_s: float = 20.0
+    exhaustive_budget_s: float = 8.0
     gamma_samples: int = 24
     gamma_max_new_tokens: int = 48
     seed: int = 0
