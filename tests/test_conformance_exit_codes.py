@@ -169,3 +169,29 @@ def test_a_known_bug_that_no_longer_reproduces_is_reported_stale():
     assert data["exit_status"] == report.exit_code
     if cell.stale_known_bugs:
         assert report.exit_status("all") & FAILURE_CLASSES["stale-known-bugs"][0]
+
+
+def test_dfa_final_state_bug_matches_only_after_a_complete_match():
+    from shim_adapters.conformance.runner import _resolve_grammar
+
+    semver = _resolve_grammar(str(ROOT / "conformance" / "grammars" / "semver.regex"))
+    assert not semver.text.endswith("\n")  # a .regex file means its content without the newline
+
+    def refused(prefix):
+        return Repro("completeness", "valid_token_refused", "outlines", "shipped",
+                     "semver.regex", prefix, [], 5, "-", "refused")
+
+    assert match_known_bug(refused("7.3"), "outlines_core 0.2.14", semver) == \
+        "outlines-core-regex-leaves-final-state"
+    assert match_known_bug(refused("7."), "outlines_core 0.2.14", semver) is None
+    assert match_known_bug(refused("7.3"), "outlines_core 0.2.15", semver) is None
+
+
+def test_contract_runs_on_every_format_a_backend_declares():
+    from shim_adapters.contract import FORMAT_GRAMMARS, contract_grammars
+
+    for backend in ("xgrammar", "outlines", "syncode"):
+        formats = set(get_backend(backend).grammar_formats)
+        names = contract_grammars(backend)
+        assert {FORMAT_GRAMMARS[n].format for n in names if n in FORMAT_GRAMMARS} == \
+            formats - {"lark"}

@@ -734,13 +734,14 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
             row[f"shortest_{kind}"] = [ordered[0], ctx.vocab.text_of(ordered[0])]
             first_unknown = None
             forced = _forced_next_byte(ctx, viable) if kind == "valid_token_refused" else None
-            covered = _allowed_prefixes(ctx, mask) if forced is not None else set()
+            # The backend allows some tokenization of the forced text (another split of it).
+            forced_split = forced is not None and _allows_forced_split(ctx, mask, viable)
             kept: dict[str | None, int] = {}
             for t in ordered:
                 why = detail
-                if forced is not None and ctx.vocab.token_bytes[t] in covered:
-                    why = detail + f"; {FORCED_TEXT_MARK}: the next byte is forced and a " \
-                        "longer allowed token covers this one"
+                if forced_split:
+                    why = detail + f"; {FORCED_TEXT_MARK}: the grammar forces the next text " \
+                        "and the backend allows another split of it"
                 repro = ctx.repro(check.name, kind, ids, t, why)
                 bug = match_known_bug(repro, ctx.masker.backend_version, ctx.grammar)
                 # Every failing token is counted; a few per state and bug keep their repro.
@@ -784,8 +785,8 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
             f"{totals['skipped_tokens']} tokens skipped at the last state")
 
 
-#: Marks a refused token where the grammar forces the next text and a longer allowed token
-#: starts with it: only a non-canonical split is refused (known-bug matching keys on it).
+#: Marks a refused token where the grammar forces the next text and the backend allows
+#: another tokenization of it: only a non-canonical split is refused (known bugs key on it).
 FORCED_TEXT_MARK = "forced text"
 
 
@@ -795,13 +796,9 @@ def _forced_next_byte(ctx: CellContext, viable: np.ndarray) -> int | None:
     return firsts.pop() if len(firsts) == 1 else None
 
 
-def _allowed_prefixes(ctx: CellContext, mask: np.ndarray) -> set[bytes]:
-    """Every proper byte prefix of an allowed text token."""
-    out: set[bytes] = set()
-    for t in np.flatnonzero(mask & ctx.is_text):
-        b = ctx.vocab.token_bytes[int(t)]
-        out.update(b[:k] for k in range(1, len(b)))
-    return out
+def _allows_forced_split(ctx: CellContext, mask: np.ndarray, viable: np.ndarray) -> bool:
+    """Whether some allowed token is viable (a tokenization of the forced text is allowed)."""
+    return bool((mask & viable).any())
 
 
 def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: list[int],
