@@ -184,6 +184,10 @@ def test_dfa_final_state_bug_matches_only_after_a_complete_match():
     assert match_known_bug(refused("7.3"), "outlines_core 0.2.14", semver) == \
         "outlines-core-regex-leaves-final-state"
     assert match_known_bug(refused("7."), "outlines_core 0.2.14", semver) is None
+    spanning = refused("7")  # the token ".3-" passes the complete match "7.3"
+    spanning.token_text = ".3-"
+    assert match_known_bug(spanning, "outlines_core 0.2.14", semver) == \
+        "outlines-core-regex-leaves-final-state"
     assert match_known_bug(refused("7.3"), "outlines_core 0.2.15", semver) is None
 
 

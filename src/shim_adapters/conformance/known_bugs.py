@@ -185,7 +185,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         repro="semver.regex, shipped tokenizer: after '7.3' the token '-' is refused though "
               "'7.3-rc1' matches",
         matches=lambda r, g: g is not None and g.format == "regex"
-        and _regex_full(g.text, r.prefix_text),
+        and _passes_final_state(g.text, r.prefix_text, r.token_text or ""),
         applies_to=lambda g: g.format == "regex" and "?" in g.text, expect_reproduced=False),
     KnownBug(
         id="llguidance-forced-text-canonical-only", backend="outlines",
@@ -199,14 +199,17 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
 )
 
 
-def _regex_full(pattern: str, text: str) -> bool:
-    """Whether ``text`` is already a complete match (the DFA is in a final state)."""
+def _passes_final_state(pattern: str, prefix: str, token: str) -> bool:
+    """Whether the text is a complete match before the token ends (the DFA would leave a
+    final state for a non-final one inside or right before this token)."""
     import re
 
     try:
-        return re.fullmatch(pattern, text) is not None
+        rx = re.compile(pattern)
     except re.error:
         return False
+    text = prefix + token
+    return any(rx.fullmatch(text[:k]) for k in range(len(prefix), len(text)))
 
 
 def _partial_utf8_bug(backend: str, version: str) -> KnownBug:
