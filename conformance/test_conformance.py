@@ -28,6 +28,8 @@ from shim_adapters.reference import reference_acceptor
 
 HERE = Path(__file__).resolve().parent
 CORE_CHECKS = ("soundness", "completeness", "no_dead_ends", "tokenizer_edges")
+#: Every cell's exhaustive mask check must have judged at least this many (state, token) pairs.
+MIN_EXHAUSTIVE_TOKENS = 1000
 
 
 def _healthy_backend() -> str:
@@ -61,6 +63,13 @@ def test_fast_profile_every_cell_ran_every_check(fast_report):
         assert cell.error is None, f"{cell.backend}/{cell.tokenizer}/{cell.grammar}: {cell.error}"
         for name in CORE_CHECKS:
             assert cell.checks[name].passed > 0, (cell.backend, cell.grammar, name)
+
+
+def test_fast_profile_exit_status_is_zero_and_every_cell_was_checked_exhaustively(fast_report):
+    assert fast_report.exit_code == 0, fast_report.failing_classes()
+    for cell in fast_report.cells:
+        ex = cell.checks["soundness"].info["exhaustive"]
+        assert ex["states"] >= 1 and ex["tokens_checked"] >= MIN_EXHAUSTIVE_TOKENS, cell.label
 
 
 def test_fast_profile_failures_are_only_known_upstream_bugs(fast_report):
@@ -136,8 +145,9 @@ def test_refused_valid_token_is_a_minimised_completeness_failure():
     assert "valid string" in repro.detail
     # The refused token really extends a viable prefix (the reference agrees it is valid).
     assert prefix_checker(builtin_grammar("json")).viable(repro.prefix_text + repro.token_text)
-    # Completeness alone does not fail the run: only soundness does.
-    assert report.cells[0].checks["soundness"].failed == 0 and report.exit_code == 0
+    # Completeness fails the run with its own exit bit (2), not the soundness bit (1).
+    assert report.cells[0].checks["soundness"].failed == 0
+    assert report.exit_code & 2 and not report.exit_code & 1
 
 
 def test_differential_adjudicates_an_unsound_backend():

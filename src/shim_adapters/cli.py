@@ -598,8 +598,9 @@ def report_command(report_dir, no_plots) -> None:
               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def conformance_command(args) -> None:
-    """Fuzz a backend against a tokenizer and grammar (--backend B --tokenizer T --grammar G,
-    or --profile-file F; --help for all options). Exits non-zero on any soundness failure."""
+    """Check a backend against a tokenizer and grammar (--backend B --tokenizer T --grammar G,
+    or --profile-file F; --help for all options). Fails closed: exit status = OR of the failing
+    --fail-on classes (1 soundness, 2 completeness, 4 dead ends, 8 errors, 16 control tokens)."""
     import sys
 
     from .conformance.__main__ import main as conformance_main

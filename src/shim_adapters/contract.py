@@ -33,13 +33,48 @@ import numpy as np
 
 from .backends import BackendSpec
 from .errors import ForbiddenTokenError
-from .grammar import BUILTIN_GRAMMARS, builtin_grammar
+from .grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from .plugins import backends, get_backend
 from .protocol import FEATURE_NAMES, FeatureStatus, Masker, MaskerState, StateFeatures
 from .reference import reference_acceptor
 
 #: Grammars every backend is checked on.
 CONTRACT_GRAMMARS: tuple[str, ...] = tuple(BUILTIN_GRAMMARS)
+#: One grammar per other format, so a regex-only or schema-only plugin can run the contract:
+#: a backend is checked on these of the formats it declares (``BackendSpec.grammar_formats``).
+FORMAT_GRAMMARS: dict[str, Grammar] = {
+    "regex:semver": Grammar(r"(v|V)?[0-9]+\.[0-9]+(\.[0-9]+)?(-(alpha|beta|rc)[0-9]*)?",
+                            "regex", "semver"),
+    "json_schema:point": Grammar('{"type": "object", "properties": {"x": {"type": "integer"}, '
+                                 '"y": {"type": "integer"}}, "required": ["x", "y"], '
+                                 '"additionalProperties": false}', "json_schema", "point"),
+    "ebnf:bits": Grammar('root ::= bit bit*\nbit ::= "0" | "1"\n', "ebnf", "bits"),
+}
+
+
+#: Contract violations of our own plugins found by the per-format grammars, with the reason:
+#: the pytest entry marks them xfail (strict: a fix shows as XPASS and fails, so the entry
+#: goes). Keyed by (backend, grammar).
+KNOWN_CONTRACT_VIOLATIONS: dict[tuple[str, str], str] = {
+    (backend, grammar): "shim-outlines registers one feature_status (its llguidance CFG path: "
+    "all derived) but its outlines_core regex/schema masker declares parser_state and "
+    "partial_lexeme missing, lexer_state exact: features_match_status fails (plugin owner)"
+    for backend in ("outlines",) for grammar in ("regex:semver", "json_schema:point")
+}
+
+
+def contract_grammars(backend: str) -> tuple[str, ...]:
+    """The grammars ``backend`` is checked on: the built-ins if it takes Lark, plus one per
+    other format it declares."""
+    formats = set(get_backend(backend).grammar_formats)
+    names = list(CONTRACT_GRAMMARS) if "lark" in formats else []
+    names += [key for key, g in FORMAT_GRAMMARS.items() if g.format in formats]
+    return tuple(names)
+
+
+def contract_grammar(name: str) -> Grammar:
+    """A built-in name or a ``format:name`` key of :data:`FORMAT_GRAMMARS`."""
+    return FORMAT_GRAMMARS[name] if name in FORMAT_GRAMMARS else builtin_grammar(name)
 #: Extra logits beyond the tokenizer's vocabulary, as real models pad their embedding.
 CONTRACT_PADDING = 37
 #: Environment variable restricting the pytest run to some backends (comma-separated).
@@ -87,9 +122,9 @@ def contract_tokenizer():
 
 @functools.lru_cache(maxsize=64)
 def contract_masker(backend: str, grammar: str) -> Masker:
-    """The backend's masker for a built-in grammar and the contract tokenizer (cached)."""
+    """The backend's masker for a contract grammar and the contract tokenizer (cached)."""
     tokenizer, width = contract_tokenizer()
-    return get_backend(backend).compile(builtin_grammar(grammar), tokenizer, width)
+    return get_backend(backend).compile(contract_grammar(grammar), tokenizer, width)
 
 
 def _walk_context(masker: Masker, seed: int):
@@ -327,10 +362,12 @@ CONTRACT_CHECKS: dict[str, Callable[..., None]] = {
 }
 
 
-def run_contract(backend: str, grammars: Sequence[str] = CONTRACT_GRAMMARS,
+def run_contract(backend: str, grammars: Sequence[str] | None = None,
                  seed: int = 0) -> list[ContractOutcome]:
-    """Every contract check for ``backend`` on each grammar; violations are outcomes, not raised."""
+    """Every contract check for ``backend`` on each grammar (default: those of every format it
+    declares, :func:`contract_grammars`); violations are outcomes, not raised."""
     spec = get_backend(backend)
+    grammars = contract_grammars(backend) if grammars is None else grammars
     out = []
     for grammar in grammars:
         try:
@@ -351,7 +388,7 @@ def run_contract(backend: str, grammars: Sequence[str] = CONTRACT_GRAMMARS,
     return out
 
 
-def assert_contract(backend: str, grammars: Sequence[str] = CONTRACT_GRAMMARS) -> None:
+def assert_contract(backend: str, grammars: Sequence[str] | None = None) -> None:
     """Raise ContractViolation listing every violation of ``backend``."""
     bad = [o for o in run_contract(backend, grammars) if not o.ok]
     if bad:
@@ -371,14 +408,24 @@ def contract_backends() -> list[str]:
 
 
 def pytest_generate_tests(metafunc) -> None:
+    names = None
     if "contract_backend" in metafunc.fixturenames:
         names = contract_backends()
         if not names:
             raise RuntimeError("no masker backend is installed: pip install plugins/shim-NAME "
                                "(the contract suite needs at least one)")
+    if names is not None and "contract_grammar" in metafunc.fixturenames:
+        import pytest
+
+        pairs = []
+        for b in names:
+            for g in contract_grammars(b):
+                reason = KNOWN_CONTRACT_VIOLATIONS.get((b, g))
+                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+                pairs.append(pytest.param(b, g, marks=marks, id=f"{b}-{g}"))
+        metafunc.parametrize("contract_backend,contract_grammar", pairs)
+    elif names is not None:
         metafunc.parametrize("contract_backend", names)
-    if "contract_grammar" in metafunc.fixturenames:
-        metafunc.parametrize("contract_grammar", CONTRACT_GRAMMARS)
 
 
 def test_backend_contract_check(contract_backend: str, contract_grammar: str) -> None:

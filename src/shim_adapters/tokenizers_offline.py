@@ -408,3 +408,118 @@ def tokenizer_fingerprint(name: str) -> str:
     """Short hash of the cached conversion's manifest (for reports)."""
     manifest = (offline_tokenizer_dir(name) / "shim_manifest.json").read_bytes()
     return hashlib.sha256(manifest).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers a user has on disk (no hub): tokenizer.json, a bare HF directory, SentencePiece
+# ---------------------------------------------------------------------------------------------
+#: Files that may name the EOS token of a tokenizer directory, in the order they are read.
+EOS_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+             "config.json")
+
+
+def load_local_tokenizer(path: str | Path, eos: str | int | None = None):
+    """A fast tokenizer from what a user has on disk, with its EOS token set.
+
+    ``path``: a ``tokenizer.json`` file, a directory holding one (a ``tokenizer_config.json``
+    is optional), a full HF tokenizer directory, or a SentencePiece model file (any other
+    file, e.g. ``tokenizer.model``; or a
+    directory with ``tokenizer.model`` only). ``eos``: the EOS token (text or id); without it
+    the EOS is read from the directory's ``generation_config.json``, ``tokenizer_config.json``,
+    ``special_tokens_map.json`` or ``config.json``. A tokenizer whose EOS cannot be
+    determined raises :class:`~shim_adapters.errors.ShimError` naming the files looked at.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from .errors import ShimError
+
+    path = Path(path)
+    if not path.exists():
+        raise ShimError(f"tokenizer path {str(path)!r} does not exist")
+    directory = path if path.is_dir() else path.parent
+    if path.is_file() and path.suffix != ".json" or (
+            path.is_dir() and not (path / "tokenizer.json").is_file()
+            and (path / "tokenizer.model").is_file()):
+        model = path if path.is_file() else path / "tokenizer.model"
+        tok = _sentencepiece_fast(model)
+    elif path.is_file() and path.suffix == ".json" or (path / "tokenizer.json").is_file():
+        file = path if path.is_file() else path / "tokenizer.json"
+        if path.is_dir() and (path / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except Exception:  # noqa: BLE001 - a config naming a class we lack: use the file
+                tok = PreTrainedTokenizerFast(tokenizer_file=str(file))
+            if not getattr(tok, "is_fast", False):
+                tok = PreTrainedTokenizerFast(tokenizer_file=str(file))
+        else:
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(file))
+    else:
+        raise ShimError(f"{str(path)!r} is no tokenizer: expected a tokenizer.json file, a "
+                        "directory with tokenizer.json or tokenizer.model, or a SentencePiece "
+                        ".model file")
+    _set_eos(tok, eos, directory, path)
+    return tok
+
+
+def _sentencepiece_fast(model: Path):
+    """A SentencePiece model as a fast tokenizer (byte fallback and ``▁`` kept)."""
+    from transformers import LlamaTokenizerFast
+
+    from .errors import ShimError
+
+    try:
+        return LlamaTokenizerFast(vocab_file=str(model), legacy=True, add_bos_token=False,
+                                  add_eos_token=False, from_slow=True)
+    except Exception as exc:  # noqa: BLE001 - missing sentencepiece/protobuf, bad file
+        raise ShimError(f"cannot read SentencePiece model {str(model)!r}: "
+                        f"{type(exc).__name__}: {exc} (needs the sentencepiece and protobuf "
+                        "packages)") from exc
+
+
+def _set_eos(tok, eos, directory: Path, path: Path) -> None:
+    from .errors import ShimError
+
+    if eos is None and tok.eos_token_id is not None and path.is_dir() and \
+            (path / "tokenizer_config.json").is_file():
+        return
+    if eos is None:
+        eos = _eos_from_files(directory)
+    if eos is None:
+        if tok.eos_token_id is not None:
+            return
+        raise ShimError(f"no EOS token for tokenizer {str(path)!r}: none given and none of "
+                        f"{', '.join(EOS_FILES)} in {str(directory)!r} names one; pass --eos "
+                        "TOKEN (text or id)")
+    if isinstance(eos, str) and eos.lstrip("-").isdigit():
+        eos = int(eos)
+    if isinstance(eos, int):
+        if not 0 <= eos < len(tok):
+            raise ShimError(f"EOS id {eos} is outside the vocabulary (0..{len(tok) - 1})")
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    else:
+        ids = tok.convert_tokens_to_ids([eos])
+        if not ids or ids[0] is None or ids[0] == tok.unk_token_id and eos != tok.unk_token:
+            raise ShimError(f"EOS token {eos!r} is not in the vocabulary of {str(path)!r}")
+        tok.eos_token = eos
+
+
+def _eos_from_files(directory: Path) -> str | int | None:
+    for name in EOS_FILES:
+        file = directory / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except ValueError:
+            continue
+        for key in ("eos_token", "eos_token_id"):
+            value = data.get(key)
+            if isinstance(value, list) and value:
+                value = value[0]
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, (str, int)) and not isinstance(value, bool):
+                return value
+    return None

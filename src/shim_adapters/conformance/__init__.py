@@ -2,7 +2,10 @@
 
 Checks (each with counts and, on failure, a minimised repro: grammar, prefix text, token id
 and token text): soundness, completeness (canonical and non-canonical tokenizations), no dead
-ends, tokenizer edge cases, γ behaviour, and a differential comparison across backends. Every
+ends (no allowed token without a finite completion), tokenizer edge cases, chat-template
+control tokens, γ behaviour, an exhaustive whole-vocabulary mask check per state, and a
+differential comparison across backends. The exit status fails closed: the OR of the failing
+classes' bits (1 soundness, 2 completeness, 4 dead ends, 8 errors, 16 control tokens). Every
 verdict comes from references independent of the backends (:mod:`shim_adapters.reference`,
 :mod:`.prefix`). See ``conformance/README.md`` for the CI recipe.
 

@@ -1,10 +1,15 @@
 """``python -m shim_adapters.conformance``: one cell, or a profile file's whole matrix.
 
     python -m shim_adapters.conformance --backend xgrammar --tokenizer gpt2 --grammar my.lark
+    python -m shim_adapters.conformance --backend xgrammar --tokenizer ./tokenizer.json \\
+        --eos '<|im_end|>' --grammar a.lark --grammar b.regex --junit-xml conformance.xml
     python -m shim_adapters.conformance --profile-file conformance/profiles/full.json \\
         --out conformance/reports
 
-Writes ``<out>/<stem>.json`` and ``.md``; exits 1 on any soundness failure.
+Fails closed: the exit status is the OR of the failing classes selected by ``--fail-on``
+(default soundness, completeness, dead-ends, errors, control-tokens): 1 soundness, 2
+completeness, 4 dead ends, 8 errors (a crashed or misconfigured cell, a check that checked
+nothing), 16 control tokens allowed in output, 32 stale known bugs (only when selected).
 """
 
 from __future__ import annotations
@@ -12,7 +17,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .report import FAILURE_CLASSES, Report, parse_fail_on
+
+_CLASSES = FAILURE_CLASSES
 from .runner import run_conformance, run_profile_file
+
+#: Exit status when the command itself cannot run (bad arguments, unloadable input).
+USAGE_ERROR = FAILURE_CLASSES["errors"][0]
 
 
 def main(argv=None) -> int:
@@ -20,16 +31,51 @@ def main(argv=None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--backend", help="registered backend name")
     ap.add_argument("--tokenizer", default="default",
-                    help="default (shipped LM), an offline name or a tokenizer directory")
-    ap.add_argument("--grammar", help="built-in name or grammar file")
+                    help="default (shipped LM), an offline name, a tokenizer.json file, a "
+                         "tokenizer directory or a SentencePiece .model file")
+    ap.add_argument("--eos", default=None,
+                    help="EOS token (text or id) when the tokenizer files name none")
+    ap.add_argument("--grammar", action="append",
+                    help="built-in name or grammar file (repeat for several)")
     ap.add_argument("--profile", default="fast", help="fast or full")
     ap.add_argument("--logits-width", type=int, default=None)
     ap.add_argument("--controller", default=None, help="controller artefact dir for the γ check")
     ap.add_argument("--profile-file", help="run a matrix described by this JSON file")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--fail-on", default=None,
+                    help="comma list of failure classes that fail the run: "
+                         f"{', '.join(_CLASSES)}, all, default, none (default: default)")
+    ap.add_argument("--junit-xml", default=None, help="also write a JUnit XML report here")
     ap.add_argument("--out", default=None, help="directory for the JSON + markdown report")
     ap.add_argument("--stem", default=None, help="report file name stem")
     args = ap.parse_args(argv)
+    try:
+        fail_on = parse_fail_on(args.fail_on)
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        report = _run(ap, args, fail_on)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fail closed: an input that does not load
+        print(f"conformance could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.out:
+        json_path, md_path = report.write(args.out, args.stem)
+        print(f"wrote {json_path} and {md_path}")
+    else:
+        print(report.to_markdown())
+    if args.junit_xml:
+        print(f"wrote {report.write_junit(args.junit_xml)}")
+    failing = report.failing_classes()
+    for name, cells in failing.items():
+        mark = "FAIL" if name in fail_on else "note"
+        print(f"[{mark}] {name}: {', '.join(cells[:8])}" + (" ..." if len(cells) > 8 else ""),
+              file=sys.stderr)
+    return report.exit_code
+
+
+def _run(ap, args, fail_on) -> Report:
     if args.profile_file:
         overrides = {} if args.seed is None else {"seed": args.seed}
 
@@ -38,20 +84,22 @@ def main(argv=None) -> int:
                 partial.meta["partial"] = True
                 partial.write(args.out, args.stem)
 
-        report = run_profile_file(args.profile_file, checkpoint=checkpoint, **overrides)
+        report = run_profile_file(args.profile_file, checkpoint=checkpoint,
+                                  fail_on=fail_on if args.fail_on else None, **overrides)
         report.meta.pop("partial", None)
-    else:
-        if not (args.backend and args.grammar):
-            ap.error("give --backend and --grammar, or --profile-file")
-        report = run_conformance(args.backend, args.tokenizer, args.grammar, args.profile,
-                                 logits_width=args.logits_width, seed=args.seed,
-                                 controller_dir=args.controller)
-    if args.out:
-        json_path, md_path = report.write(args.out, args.stem)
-        print(f"wrote {json_path} and {md_path}")
-    else:
-        print(report.to_markdown())
-    return report.exit_code
+        return report
+    if not (args.backend and args.grammar):
+        ap.error("give --backend and --grammar, or --profile-file")
+    report = None
+    for grammar in args.grammar:
+        one = run_conformance(args.backend, args.tokenizer, grammar, args.profile,
+                              logits_width=args.logits_width, seed=args.seed,
+                              controller_dir=args.controller, eos=args.eos, fail_on=fail_on)
+        if report is None:
+            report = one
+        else:
+            report.merge(one)
+    return report
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from ..grammar import Grammar
 from ..protocol import Masker, MaskerState
 from ..reference import reference_acceptor
 from .generate import valid_strings
+from .grammar_analysis import grammar_diagnostics
 from .known_bugs import match_known_bug
 from .prefix import LarkPrefixChecker, PrefixUndecided
 from .profiles import Profile
@@ -42,6 +43,8 @@ class CellContext:
     prefix: object | None
     rng: random.Random
     notes: list[str] = field(default_factory=list)
+    #: The control-token check's result (set by run_cell_checks).
+    control: CheckResult | None = None
     mask_calls: int = 0
     seconds_per_mask: float = 0.0
 
@@ -51,6 +54,11 @@ class CellContext:
         width = self.masker.vocab_size
         self.is_text = np.zeros(width, dtype=bool)
         self.is_text[self.vocab.text_ids[self.vocab.text_ids < width]] = True
+        #: Chat-template control tokens not flagged special: judged on their own, never text.
+        self.control_ids = np.array(sorted(i for i in self.vocab.control_ids if i < width),
+                                    dtype=np.int64)
+        self.is_text[self.control_ids] = False
+        self._syntactic = None
         self.eos_ids = sorted(i for i in self.masker.eos_token_ids if i < width)
         self.non_eos_special = np.array(sorted(self.vocab.special_ids
                                                - set(self.masker.eos_token_ids)), dtype=np.int64)
@@ -110,6 +118,26 @@ class CellContext:
         except PrefixUndecided:
             return None
 
+    @property
+    def has_unfinishable_rules(self) -> bool:
+        analysis = getattr(self.prefix, "analysis", None)
+        return bool(analysis is not None and analysis.dropped_rules)
+
+    def syntactically_viable(self, data: bytes) -> bool:
+        """Viable when rules that can never finish count too: an allowed token that is only
+        this is a dead end (generation can go on but never end), not an unsound token."""
+        if not self.has_unfinishable_rules:
+            return False
+        if self._syntactic is None:
+            from .prefix import prefix_checker
+
+            self._syntactic = prefix_checker(self.grammar, finite=False)
+        try:
+            text, tail = decode_prefix(data)
+            return bool(self._syntactic.viable(text)) and not tail
+        except (UnicodeDecodeError, PrefixUndecided):
+            return False
+
     def accepts(self, ids: Sequence[int]) -> bool:
         try:
             text = self.data(ids).decode()
@@ -127,7 +155,8 @@ class CellContext:
                      detail=detail)
 
     def fail(self, result: CheckResult, repro: Repro) -> None:
-        result.add_failure(repro, match_known_bug(repro, self.masker.backend_version),
+        result.add_failure(repro, match_known_bug(repro, self.masker.backend_version,
+                                                       self.grammar),
                            keep=self.profile.keep_failures)
 
 
@@ -239,6 +268,12 @@ def _walk(ctx: CellContext, strategy: str, sound: CheckResult, dead: CheckResult
                 undecided += 1
             elif sound.count(verdict):
                 pass
+            elif ctx.syntactically_viable(data + (ctx.vocab.token_bytes[t] or b"")):
+                ctx.fail(dead, ctx.repro("no_dead_ends", "no_finite_completion", ids, t,
+                                         "token allowed but no finite completion exists after "
+                                         "it (it enters a rule that can never finish)"))
+                if t == choice:
+                    return "failed", undecided
             else:
                 _report_unsound(ctx, sound, ids, t)
                 if t == choice:
@@ -246,7 +281,13 @@ def _walk(ctx: CellContext, strategy: str, sound: CheckResult, dead: CheckResult
         # Dead ends: follow a few allowed tokens one step.
         for t in ctx.sample(allowed, p.dead_end_tokens_per_step):
             nxt = state.fork()
-            nxt.advance(int(t))
+            try:
+                nxt.advance(int(t))
+            except ShimError as exc:
+                ctx.fail(sound, ctx.repro("soundness", "advance_refuses_allowed", ids, int(t),
+                                          f"the mask allows this token but advance() refuses "
+                                          f"it: {exc}"))
+                continue
             ctx.mask_calls += 1
             ok = bool(nxt.allowed_mask().any()) or nxt.eos_allowed()
             if dead.count(ok):
@@ -291,6 +332,14 @@ def _state_checks(ctx: CellContext, state: MaskerState, mask: np.ndarray, ids: l
                           lambda st: bool(st.allowed_mask()[t]),
                           f"{len(special)} special (non-EOS) tokens allowed")
         return False
+    if len(ctx.control_ids) and ctx.control is not None:
+        allowed_control = ctx.control_ids[mask[ctx.control_ids]]
+        if ctx.control.count(not len(allowed_control)) is False:
+            t = int(allowed_control[0])
+            ctx.fail(ctx.control, ctx.repro("control_tokens", "control_token_allowed", ids, t,
+                                            f"{len(allowed_control)} chat-template control "
+                                            "tokens (added, not flagged special) allowed in "
+                                            "output"))
     eos = state.eos_allowed()
     in_mask = any(bool(mask[e]) for e in ctx.eos_ids)
     if not sound.count(eos == in_mask):
@@ -538,6 +587,17 @@ def run_cell_checks(ctx: CellContext) -> dict[str, CheckResult]:
     comp = CheckResult("completeness")
     dead = CheckResult("no_dead_ends")
     edges = CheckResult("tokenizer_edges")
+    control = CheckResult("control_tokens")
+    ctx.control = control
+    if not len(ctx.control_ids):
+        control.not_run = ("the tokenizer has no chat-template control token outside its "
+                           "special tokens")
+    else:
+        control.info["control_tokens"] = [ctx.vocab.text_of(int(i)) for i in ctx.control_ids]
+    diagnostics = grammar_diagnostics(ctx.grammar)
+    if diagnostics:
+        sound.info["grammar_diagnostics"] = diagnostics
+        sound.notes.extend(f"grammar: {d}" for d in diagnostics)
     t0 = time.perf_counter()
     walks(ctx, sound, dead)
     t1 = time.perf_counter()
@@ -545,7 +605,221 @@ def run_cell_checks(ctx: CellContext) -> dict[str, CheckResult]:
     t2 = time.perf_counter()
     edge_probes(ctx, edges)
     t3 = time.perf_counter()
+    exhaustive(ctx, sound, comp, dead, control)
+    t4 = time.perf_counter()
     sound.seconds = dead.seconds = round(t1 - t0, 3)
     comp.seconds = round(t2 - t1, 3)
     edges.seconds = round(t3 - t2, 3)
-    return {c.name: c for c in (sound, comp, dead, edges)}
+    control.seconds = round(t4 - t3, 3)
+    sound.info.setdefault("exhaustive", {})["seconds"] = round(t4 - t3, 3)
+    return {c.name: c for c in (sound, comp, dead, edges, control)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Exhaustive per-state masks: the whole vocabulary against the reference
+# ---------------------------------------------------------------------------------------------
+#: Seed of the strings whose prefixes are the exhaustive states: fixed, so a defect found at
+#: one profile seed is found at every seed.
+EXHAUSTIVE_SEED = 0
+#: Repros kept per state, failure kind and known bug (every failing token is still counted).
+EXHAUSTIVE_REPROS_PER_STATE = 3
+
+
+def exhaustive_states(ctx: CellContext) -> list[list[int]]:
+    """The start state, one state inside a UTF-8 character per string where its canonical
+    tokenization has one, then the prefixes of canonical tokenizations of strings generated
+    at a fixed seed, round-robin by length (so a time cap still spreads over the strings)."""
+    p = ctx.profile
+    strings, _ = valid_strings(ctx.grammar, p.exhaustive_strings, EXHAUSTIVE_SEED)
+    seqs = [ctx.vocab.canonical(s)[0] for _, s in strings]
+    out: list[list[int]] = [[]]
+    seen = {()}
+    # First the states inside a UTF-8 character (byte tokens emitted part of it): the edge
+    # that byte-level and byte-fallback vocabularies create and maskers most often get wrong.
+    for q in seqs:
+        for k in range(1, len(q) + 1):
+            data = ctx.data(q[:k])
+            try:
+                tail = decode_prefix(data)[1]
+            except UnicodeDecodeError:
+                continue
+            if tail and tuple(q[:k]) not in seen:
+                seen.add(tuple(q[:k]))
+                out.append(list(q[:k]))
+                break  # one per string
+    for k in range(1, max((len(q) for q in seqs), default=0) + 1):
+        for q in seqs:
+            if k <= len(q) and tuple(q[:k]) not in seen:
+                seen.add(tuple(q[:k]))
+                out.append(list(q[:k]))
+    return out
+
+
+def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: CheckResult,
+               control: CheckResult) -> None:
+    """At each exhaustive state, the masker's whole mask against the reference's verdict on
+    every token: wrongly allowed (soundness; a dead end when only a rule that never finishes
+    continues), wrongly blocked (completeness), control tokens allowed. Per state: counts and
+    the shortest token of each kind; per cell: one prefix-minimised repro of each kind."""
+    from .reference_mask import DEAD, SKIPPED, UNDECIDED, VIABLE, reference_verdicts
+
+    p = ctx.profile
+    summary = sound.info.setdefault("exhaustive", {})
+    if ctx.prefix is None or p.exhaustive_states <= 0:
+        why = "no prefix reference for this grammar" if ctx.prefix is None else "disabled"
+        summary["not_run"] = why
+        sound.notes.append(f"exhaustive mask check not run: {why}")
+        return
+    states = exhaustive_states(ctx)
+    # A JSON schema's prefix reference is JSON syntax (an over-approximation): a token it
+    # calls viable may break the schema, so refusals cannot be judged token by token there.
+    judge_blocked = ctx.grammar.format != "json_schema"
+    if not judge_blocked:
+        summary["blocked_not_judged"] = "JSON schema: the prefix reference is JSON syntax only"
+        comp.notes.append("exhaustive check judges only allowed tokens for a JSON schema (its "
+                          "prefix reference is JSON syntax); refusals are judged on generated "
+                          "valid strings")
+    t0 = time.perf_counter()
+    deadline = t0 + p.exhaustive_budget_s
+    rows = []
+    totals = dict(states=0, tokens_checked=0, wrongly_allowed=0, wrongly_blocked=0,
+                  dead_end_tokens=0, control_allowed=0, undecided=0, skipped_tokens=0)
+    minimised: set[str] = set()
+    width = ctx.masker.vocab_size
+    for n_done, ids in enumerate(states):
+        if time.perf_counter() > deadline or n_done >= p.exhaustive_states:
+            break
+        state = ctx.replay(ids)
+        if state is None or state.is_finished:
+            continue  # a refused canonical token: the completeness check reports it
+        mask = np.asarray(state.allowed_mask())[:width]
+        ctx.mask_calls += 1
+        data = ctx.data(ids)
+        verdicts = reference_verdicts(ctx.prefix, data, ctx.vocab, deadline).verdicts[:width]
+        txt = ctx.is_text
+        decided_allowed = txt & mask & ((verdicts == VIABLE) | (verdicts == DEAD))
+        wrong_allowed = np.flatnonzero(txt & mask & (verdicts == DEAD))
+        wrong_blocked = np.flatnonzero(txt & ~mask & (verdicts == VIABLE))
+        viable = txt & (verdicts == VIABLE)
+        if not judge_blocked:
+            wrong_blocked = wrong_blocked[:0]
+        row = dict(prefix=ctx.text(ids)[-80:], prefix_tokens=len(ids),
+                   tokens_checked=int((txt & (verdicts >= 0)).sum()),
+                   undecided=int((txt & (verdicts == UNDECIDED)).sum()),
+                   skipped=int((txt & (verdicts == SKIPPED)).sum()),
+                   allowed=int((txt & mask).sum()), viable=int(viable.sum()),
+                   wrongly_allowed=0, dead_end_tokens=0, wrongly_blocked=int(len(wrong_blocked)))
+        sound.passed += int(decided_allowed.sum()) - len(wrong_allowed)
+        comp.passed += int(viable.sum()) - len(wrong_blocked)
+        dead_ends, unsound = [], []
+        for t in wrong_allowed:
+            t = int(t)
+            if ctx.syntactically_viable(data + ctx.vocab.token_bytes[t]):
+                dead_ends.append(t)
+            else:
+                unsound.append(t)
+        row["wrongly_allowed"], row["dead_end_tokens"] = len(unsound), len(dead_ends)
+        dead.passed += 1 if not dead_ends else 0
+        for kind, check, tokens, detail in (
+                ("unsound_token", sound, unsound, "token allowed but no string of the grammar "
+                 "starts with the text plus this token (exhaustive mask check)"),
+                ("no_finite_completion", dead, dead_ends, "token allowed but no finite "
+                 "completion exists after it (exhaustive mask check)"),
+                ("valid_token_refused", comp, wrong_blocked, "token refused though the text "
+                 "plus this token is the start of a valid string (exhaustive mask check)")):
+            if not len(tokens):
+                continue
+            ordered = sorted((int(t) for t in tokens),
+                             key=lambda t: (len(ctx.vocab.token_bytes[t] or b""), t))
+            row[f"shortest_{kind}"] = [ordered[0], ctx.vocab.text_of(ordered[0])]
+            first_unknown = None
+            forced = _forced_next_byte(ctx, viable) if kind == "valid_token_refused" else None
+            # The backend allows some tokenization of the forced text (another split of it).
+            forced_split = forced is not None and _allows_forced_split(ctx, mask, viable)
+            kept: dict[str | None, int] = {}
+            for t in ordered:
+                why = detail
+                if forced_split:
+                    why = detail + f"; {FORCED_TEXT_MARK}: the grammar forces the next text " \
+                        "and the backend allows another split of it"
+                repro = ctx.repro(check.name, kind, ids, t, why)
+                bug = match_known_bug(repro, ctx.masker.backend_version, ctx.grammar)
+                # Every failing token is counted; a few per state and bug keep their repro.
+                if kept.get(bug, 0) < EXHAUSTIVE_REPROS_PER_STATE:
+                    kept[bug] = kept.get(bug, 0) + 1
+                    ctx.fail(check, repro)
+                elif bug:
+                    check.xfailed += 1
+                    check.info.setdefault("known_bugs_seen", [])
+                    if bug not in check.info["known_bugs_seen"]:
+                        check.info["known_bugs_seen"].append(bug)
+                else:
+                    check.failed += 1
+                if first_unknown is None and bug is None:
+                    first_unknown = t
+            if first_unknown is not None and kind not in minimised:
+                minimised.add(kind)
+                _minimise_exhaustive(ctx, check, kind, ids, first_unknown, detail)
+        if len(ctx.control_ids):
+            allowed_control = ctx.control_ids[mask[ctx.control_ids]]
+            row["control_allowed"] = int(len(allowed_control))
+            if control.count(not len(allowed_control)) is False:
+                for t in allowed_control:
+                    ctx.fail(control, ctx.repro("control_tokens", "control_token_allowed", ids,
+                                                int(t), "chat-template control token (added, "
+                                                "not flagged special) allowed in output"))
+        rows.append(row)
+        totals["states"] += 1
+        for key in ("tokens_checked", "wrongly_allowed", "wrongly_blocked", "dead_end_tokens",
+                    "undecided"):
+            totals[key] += row[key]
+        totals["skipped_tokens"] += row["skipped"]
+        totals["control_allowed"] += row.get("control_allowed", 0)
+    seconds = time.perf_counter() - t0
+    summary.update(totals, states_available=len(states), seconds=round(seconds, 3),
+                   per_state=rows)
+    if totals["states"] < min(len(states), p.exhaustive_states) or totals["skipped_tokens"]:
+        sound.notes.append(
+            f"exhaustive mask check stopped by its time cap ({p.exhaustive_budget_s:.0f} s): "
+            f"{totals['states']} of {min(len(states), p.exhaustive_states)} states checked, "
+            f"{totals['skipped_tokens']} tokens skipped at the last state")
+
+
+#: Marks a refused token where the grammar forces the next text and the backend allows
+#: another tokenization of it: only a non-canonical split is refused (known bugs key on it).
+FORCED_TEXT_MARK = "forced text"
+
+
+def _forced_next_byte(ctx: CellContext, viable: np.ndarray) -> int | None:
+    """The byte every viable token starts with, if there is exactly one."""
+    firsts = {ctx.vocab.token_bytes[int(t)][0] for t in np.flatnonzero(viable)}
+    return firsts.pop() if len(firsts) == 1 else None
+
+
+def _allows_forced_split(ctx: CellContext, mask: np.ndarray, viable: np.ndarray) -> bool:
+    """Whether some allowed token is viable (a tokenization of the forced text is allowed)."""
+    return bool((mask & viable).any())
+
+
+def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: list[int],
+                         token: int, detail: str) -> None:
+    """Replace the first failure of ``kind`` by one with the fewest prefix tokens."""
+    def still_fails(sub: list) -> bool:
+        state = ctx.replay(sub)
+        if state is None or state.is_finished:
+            return False
+        allowed = bool(state.allowed_mask()[token])
+        verdict = ctx.viable(ctx.data(sub) + (ctx.vocab.token_bytes[token] or b""))
+        if kind == "valid_token_refused":
+            return not allowed and verdict is True
+        if kind == "no_finite_completion":
+            return allowed and verdict is False and ctx.syntactically_viable(
+                ctx.data(sub) + ctx.vocab.token_bytes[token])
+        return allowed and verdict is False and not ctx.syntactically_viable(
+            ctx.data(sub) + ctx.vocab.token_bytes[token])
+
+    short = minimise(list(ids), still_fails, ctx.profile.minimise_budget)
+    if len(short) < len(ids):
+        before = (check.failed, check.xfailed)
+        ctx.fail(check, ctx.repro(check.name, kind, short, token, detail + " (minimised)"))
+        check.failed, check.xfailed = before  # the same failure, not another one

@@ -28,6 +28,12 @@ FAULTS = {
     "features_none": "features() returns None for features declared present",
     "short_mask": "the mask is one entry shorter than the logits width",
     "sticky_refusal": "a refused token still advances the step counter",
+    "refuse_last_allowed": "at every state the highest-id allowed text token is refused "
+                           "(valid strings' canonical tokens rarely need it)",
+    "unsound_late": "after the first token, the highest-id text token the grammar refuses is "
+                    "allowed at every state",
+    "allow_control": "the tokenizer's chat-template control tokens are always allowed",
+    "crash_late": "allowed_mask() raises after two tokens",
 }
 
 
@@ -53,6 +59,18 @@ class FaultyState(MaskerState):
             mask[self.masker.refused_token] = False
         elif fault == "short_mask":
             return mask[:-1]
+        elif fault == "refuse_last_allowed":
+            text = np.flatnonzero(mask[:self.masker.n_text] & self.masker.text_mask)
+            if len(text):
+                mask[text[-1]] = False
+        elif fault == "unsound_late" and self.inner.step > 0:
+            refused = np.flatnonzero(~mask[:self.masker.n_text] & self.masker.text_mask)
+            if len(refused):
+                mask[refused[-1]] = True
+        elif fault == "allow_control":
+            mask[self.masker.control_ids] = True
+        elif fault == "crash_late" and self.inner.step >= 2:
+            raise RuntimeError("injected crash in allowed_mask()")
         return mask
 
     def eos_allowed(self) -> bool:
@@ -74,7 +92,8 @@ class FaultyState(MaskerState):
             self._fake_finished = True  # EOS the wrapped masker refuses (eos_always)
             self._eos_token = token_id
             return
-        if fault in ("unsound_token",) and not self.inner.allowed_mask()[token_id]:
+        if fault in ("unsound_token", "unsound_late", "allow_control") and \
+                not self.inner.allowed_mask()[token_id]:
             self._wrong = True  # the wrapped masker cannot follow; we stop here
             raise ForbiddenTokenError(token_id, self.masker.token_text(token_id), self.step,
                                       "injected unsound token cannot be followed")
@@ -125,6 +144,20 @@ class FaultyMasker(Masker):
         text_ids = [i for i in range(n) if i not in specials]
         self.bad_token = next(i for i in reversed(text_ids) if not first[i])
         self.refused_token = None
+        self.n_text = n
+        self.text_mask = np.zeros(n, dtype=bool)
+        self.control_ids = np.zeros(0, dtype=np.int64)
+        if fault in ("refuse_last_allowed", "unsound_late", "allow_control"):
+            from .vocab import Vocabulary
+
+            vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
+            ids = vocab.text_ids[vocab.text_ids < n]
+            self.text_mask[ids] = True
+            self.text_mask[list(vocab.control_ids)] = False
+            self.control_ids = np.array(sorted(vocab.control_ids), dtype=np.int64)
+            if fault == "allow_control" and not len(self.control_ids):
+                raise ValueError("allow_control needs a tokenizer with chat-template control "
+                                 "tokens that are not flagged special")
         if fault == "refuse_token":
             # The token valid strings of this grammar need most often (after the first one).
             from collections import Counter

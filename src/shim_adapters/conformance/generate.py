@@ -168,17 +168,27 @@ def _is_whitespace_item(sub) -> bool:
 
 
 class LarkGenerator:
-    """Random derivations of a Lark grammar (rules as Lark compiles them)."""
+    """Random derivations of a Lark grammar over its rules that can finish.
+
+    Rules that can never finish (:mod:`.grammar_analysis`) are left out, so every derivation
+    ends; expansion uses an explicit stack, never Python recursion, and stops (returning
+    None) after a fixed number of expansions. A grammar whose start can never finish yields
+    no string; :attr:`diagnostics` says why.
+    """
+
+    #: Most rule expansions in one derivation.
+    MAX_EXPANSIONS = 4000
 
     def __init__(self, lark_text: str):
-        import lark
+        from .grammar_analysis import analyse_lark
 
-        parser = lark.Lark(lark_text, parser="earley", lexer="dynamic", start="start")
+        analysis = analyse_lark(lark_text)
+        self.diagnostics = list(analysis.diagnostics)
         self._rules: dict[str, list[list]] = {}
-        for rule in parser.rules:
+        for rule in analysis.productive_rules:
             self._rules.setdefault(rule.origin.name, []).append(list(rule.expansion))
         self._terminals = {}
-        for t in parser.terminals:
+        for t in analysis.terminals:
             if t.pattern.type == "str":
                 self._terminals[t.name] = t.pattern.value
             else:
@@ -190,7 +200,8 @@ class LarkGenerator:
         height = {name: inf for name in self._rules}
 
         def h_exp(exp) -> float:
-            return max((0 if s.is_term else height[s.name] + 1 for s in exp), default=0)
+            return max((0 if s.is_term else height.get(s.name, inf) + 1 for s in exp),
+                       default=0)
 
         changed = True
         while changed:
@@ -204,38 +215,42 @@ class LarkGenerator:
         return height
 
     def sample(self, rng: random.Random, mode: GenerationMode) -> str | None:
+        if "start" not in self._rules:
+            return None  # the start rule can never finish: the language is empty
         out: list[str] = []
-        try:
-            self._expand("start", 0, rng, mode, out, [0])
-        except _TooLong:
-            return None
+        todo: list[tuple[object, int]] = [("start", 0)]  # (rule name or terminal, depth)
+        expansions = 0
+        while todo:
+            item, depth = todo.pop()
+            if not isinstance(item, str):  # a terminal symbol
+                gen = self._terminals[item.name]
+                if isinstance(gen, str):
+                    out.append(gen)
+                    continue
+                text = gen.sample(rng, mode)
+                if text is None:
+                    return None
+                out.append(text)
+                continue
+            expansions += 1
+            if expansions > self.MAX_EXPANSIONS:
+                return None
+            exps = self._choices(item, depth, rng, mode)
+            for sym in reversed(rng.choice(exps)):
+                todo.append((sym if sym.is_term else sym.name, depth + 1))
         return "".join(out)
 
-    def _expand(self, name, depth, rng, mode, out, budget) -> None:
-        budget[0] += 1
-        if budget[0] > 4000:
-            raise _TooLong
+    def _choices(self, name: str, depth: int, rng, mode) -> list:
         exps = self._rules[name]
         if depth >= mode.max_depth:
             best = min(self._h_exp(e) for e in exps)
-            exps = [e for e in exps if self._h_exp(e) == best]
-        elif mode.name == "deep":
+            return [e for e in exps if self._h_exp(e) == best]
+        if mode.name == "deep":
             # Prefer recursive alternatives until the depth budget is spent.
             top = max(self._h_exp(e) for e in exps)
-            if top != float("inf") and rng.random() < 0.8:
-                exps = [e for e in exps if self._h_exp(e) == top]
-        for sym in rng.choice(exps):
-            if sym.is_term:
-                gen = self._terminals[sym.name]
-                if isinstance(gen, str):
-                    out.append(gen)
-                else:
-                    text = gen.sample(rng, mode)
-                    if text is None:
-                        raise _TooLong
-                    out.append(text)
-            else:
-                self._expand(sym.name, depth + 1, rng, mode, out, budget)
+            if rng.random() < 0.8:
+                return [e for e in exps if self._h_exp(e) == top]
+        return exps
 
 
 class _TooLong(Exception):

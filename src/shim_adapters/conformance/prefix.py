@@ -4,7 +4,9 @@ Soundness is a per-step property: a masker may only allow a token when the text 
 that token can still be completed. :func:`reference_acceptor` decides whole strings only, so
 this module adds viable-prefix checkers that share no code with any backend under test:
 
-- Lark grammars: Lark's LALR tables driven by its *interactive* parser, fed by our own lexing
+- Lark grammars: LALR tables (Lark's analyser) over the rules that can *finish* (see
+  :mod:`.grammar_analysis`: a rule that never finishes is dropped, so a prefix is viable iff
+  a finite completion exists), driven directly by our own lexing
   that tries every terminal at every length (a character-level reading of the grammar, as
   XGrammar and llguidance read it), with the unfinished last lexeme checked by the ``regex``
   package's partial matching.
@@ -24,6 +26,7 @@ from typing import Protocol
 
 from ..errors import UnsupportedGrammarError
 from ..grammar import Grammar, builtin_grammar
+from .grammar_analysis import analyse_lark, lark_text_of
 
 
 class PrefixChecker(Protocol):
@@ -54,28 +57,45 @@ class LarkPrefixChecker:
     #: Most lexing configurations kept for one prefix before giving up.
     MAX_CONFIGS = 4000
 
-    def __init__(self, lark_text: str, name: str = "<grammar>", cache_size: int = 512):
+    def __init__(self, lark_text: str, name: str = "<grammar>", cache_size: int = 512,
+                 finite: bool = True):
+        """``finite``: tables from the rules that can finish only (exact viability: a prefix
+        is viable iff a finite completion exists); False: every rule (syntactic viability,
+        used to tell a dead end from an unsound token)."""
         import lark
-        from lark.parsers.lalr_analysis import Shift
-
-        try:
-            self._lark = lark.Lark(lark_text, parser="lalr", lexer="contextual", start="start")
-        except lark.exceptions.GrammarError as exc:
-            raise UnsupportedGrammarError(f"no LALR prefix reference: {exc}",
-                                          grammar_name=name) from exc
         import regex
+        from lark.common import ParserConf
+        from lark.parsers.lalr_analysis import LALR_Analyzer, Shift
 
+        analysis = analyse_lark(lark_text, name)
+        self.analysis = analysis
+        self._lark_text = lark_text
+        self._name = name
+        rules = analysis.productive_rules if finite else (analysis.productive_rules
+                                                          + analysis.dropped_rules)
+        #: The language is empty (start can never finish): nothing is viable.
+        self.empty = finite and analysis.empty_language
         self._shift = Shift
-        conf = self._lark.parse_interactive("").parser_state.parse_conf
-        self._states = conf.parse_table.states
-        self._root = (conf.start_state,)
-        self._rx = {t.name: regex.compile(t.pattern.to_regexp()) for t in self._lark.terminals}
-        self._ignore = tuple(self._lark.ignore_tokens)
+        if self.empty:
+            self._states, self._root = {}, ()
+        else:
+            try:
+                analyzer = LALR_Analyzer(ParserConf(rules, {}, ["start"]))
+                analyzer.compute_lalr()
+            except lark.exceptions.GrammarError as exc:
+                raise UnsupportedGrammarError(f"no LALR prefix reference: {exc}",
+                                              grammar_name=name) from exc
+            table = analyzer.parse_table
+            self._states = table.states
+            self._root = (table.start_states["start"],)
+        self._rx = {t.name: regex.compile(t.pattern.to_regexp()) for t in analysis.terminals}
+        self._ignore = tuple(analysis.ignore)
         self._accepts: dict[tuple, tuple[str, ...]] = {}
         self._feeds: dict[tuple, tuple | None] = {}
         self._cache: OrderedDict[str, list] = OrderedDict()
         self._cache_size = cache_size
-        self._cache[""] = [(self._root, 0)]
+        self._cache[""] = [] if self.empty else [(self._root, 0)]
+        self._lalr_lark = None
 
     def _feed(self, stack: tuple, terminal: str) -> tuple | None:
         """The LALR stack after shifting ``terminal`` (with its reductions), or None."""
@@ -129,7 +149,7 @@ class LarkPrefixChecker:
         if len(cache) > self._cache_size:
             cache.popitem(last=False)
         if "" not in cache:
-            cache[""] = [(self._root, 0)]
+            cache[""] = [] if self.empty else [(self._root, 0)]
         return configs
 
     def _extend(self, configs: list, old_len: int, text: str) -> list:
@@ -170,25 +190,29 @@ class LarkPrefixChecker:
     def terminal_spans(self, text: str) -> list[tuple[str, int, int]] | None:
         """(terminal, start, end) of a complete string as Lark's contextual lexer splits it;
         None when that lexer cannot split it (the grammar needs a character-level reading)."""
+        import lark
+
         try:
-            ip = self._lark.parse_interactive(text)
+            if self._lalr_lark is None:
+                self._lalr_lark = lark.Lark(self._lark_text, parser="lalr", lexer="contextual",
+                                            start="start")
+            ip = self._lalr_lark.parse_interactive(text)
             return [(t.type, t.start_pos, t.end_pos) for t in ip.iter_parse()]
         except Exception:  # noqa: BLE001 - lark raises several kinds
             return None
 
 
-def prefix_checker(grammar: Grammar) -> PrefixChecker:
-    """The prefix reference for ``grammar``; raises UnsupportedGrammarError if there is none."""
+def prefix_checker(grammar: Grammar, finite: bool = True) -> PrefixChecker:
+    """The prefix reference for ``grammar``; raises UnsupportedGrammarError if there is none.
+
+    ``finite=False``: the syntactic reference (rules that can never finish kept), to tell a
+    dead end (viable syntactically, no finite completion) from an unsound token."""
     if grammar.format == "regex":
         return RegexPrefixChecker(grammar.text)
     if grammar.format == "json_schema":
         return LarkPrefixChecker(builtin_grammar("json").text, name=f"{grammar.name} (JSON syntax)")
-    if grammar.format == "lark":
-        return LarkPrefixChecker(grammar.text, name=grammar.name)
-    if grammar.format == "ebnf":
-        from ..grammar_convert import ebnf_to_lark
-
-        return LarkPrefixChecker(ebnf_to_lark(grammar.text, grammar_name=grammar.name),
-                                 name=grammar.name)
+    text = lark_text_of(grammar)
+    if text is not None:
+        return LarkPrefixChecker(text, name=grammar.name, finite=finite)
     raise UnsupportedGrammarError(f"no prefix reference for format {grammar.format}",
                                   grammar_name=grammar.name)

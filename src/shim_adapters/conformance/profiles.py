@@ -34,6 +34,11 @@ class Profile:
     phase_budget_s: float = 15.0
     #: Samples and length for the controller the γ check fits on the shipped LM; skipped
     #: (with the measured cost) when the masker is too slow to fit it within phase_budget_s.
+    #: Exhaustive mask check: at most this many states (the start, then prefixes of strings
+    #: generated at a fixed seed), the whole vocabulary judged at each, within this budget.
+    exhaustive_states: int = 10
+    exhaustive_strings: int = 4
+    exhaustive_budget_s: float = 8.0
     gamma_samples: int = 24
     gamma_max_new_tokens: int = 48
     seed: int = 0
@@ -44,7 +49,8 @@ PROFILES: dict[str, Profile] = {
     "full": Profile("full", uniform_walks=12, rare_walks=12, walk_budget=96, tokens_per_step=32,
                     valid_strings=40, noncanonical_per_string=3, dead_end_tokens_per_step=6,
                     differential_walks=12, differential_tokens_per_step=32, minimise_budget=120,
-                    keep_failures=30, phase_budget_s=240.0, gamma_samples=64,
+                    keep_failures=30, phase_budget_s=240.0, exhaustive_states=64,
+                    exhaustive_strings=8, exhaustive_budget_s=120.0, gamma_samples=64,
                     gamma_max_new_tokens=64),
 }
 

@@ -5,12 +5,56 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-#: Checks whose failures make the run exit non-zero: a masker that lets invalid output through.
-SOUNDNESS_CHECKS = ("soundness",)
+#: Checks whose failures mean a masker lets invalid output through.
+SOUNDNESS_CHECKS = ("soundness", "gamma")
 #: Every check, in report order.
-CHECK_NAMES = ("soundness", "completeness", "no_dead_ends", "tokenizer_edges", "gamma")
+CHECK_NAMES = ("soundness", "completeness", "no_dead_ends", "tokenizer_edges", "control_tokens",
+               "gamma")
+
+#: Failure classes ``--fail-on`` selects, the checks feeding each, and the exit-status bit each
+#: sets (the exit status is the OR of the failing selected classes: 1 soundness, 2
+#: completeness, 4 dead ends, 8 errors, 16 control tokens, 32 stale known bugs).
+FAILURE_CLASSES: dict[str, tuple[int, tuple[str, ...]]] = {
+    "soundness": (1, SOUNDNESS_CHECKS),
+    "completeness": (2, ("completeness", "tokenizer_edges")),
+    "dead-ends": (4, ("no_dead_ends",)),
+    "errors": (8, ()),
+    "control-tokens": (16, ("control_tokens",)),
+    "stale-known-bugs": (32, ()),
+}
+#: What fails a run unless ``--fail-on`` says otherwise: every class but stale known bugs (a
+#: sampled check may simply not meet a known bug; the report still lists it).
+DEFAULT_FAIL_ON = ("soundness", "completeness", "dead-ends", "errors", "control-tokens")
+
+
+def parse_fail_on(spec: "str | Sequence[str] | None") -> tuple[str, ...]:
+    """``"soundness,errors"``, ``"all"`` (every class), ``"default"`` or a sequence of names."""
+    if spec is None:
+        return DEFAULT_FAIL_ON
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        if item == "all":
+            out.extend(FAILURE_CLASSES)
+        elif item == "default":
+            out.extend(DEFAULT_FAIL_ON)
+        elif item == "none":
+            continue
+        elif item.replace("_", "-") in FAILURE_CLASSES:
+            out.append(item.replace("_", "-"))
+        else:
+            raise ValueError(f"unknown failure class {item!r} in --fail-on; choose from "
+                             f"{', '.join(FAILURE_CLASSES)}, all, default or none")
+    return tuple(dict.fromkeys(out))
+
+
+#: The failure class each check's failures belong to.
+FAILURE_CLASS_OF_CHECK = {check: name for name, (_bit, checks) in FAILURE_CLASSES.items()
+                          for check in checks}
 
 
 @dataclass
@@ -104,10 +148,42 @@ class CellResult:
     #: Compile refused (unsupported grammar) or crashed: the reason, recorded not skipped.
     error: str | None = None
     unsupported: bool = False
+    #: Known bugs expected in this cell (backend, version and construct match) that it did
+    #: not reproduce: fixed upstream, or the check did not meet them.
+    stale_known_bugs: list[str] = field(default_factory=list)
 
     @property
     def soundness_failures(self) -> int:
         return sum(self.checks[c].failed for c in SOUNDNESS_CHECKS if c in self.checks)
+
+    @property
+    def is_error(self) -> bool:
+        """A crash, a misconfiguration or a check that checked nothing: never a pass."""
+        return bool(self.error and not self.unsupported) or bool(self.vacuous_checks)
+
+    @property
+    def vacuous_checks(self) -> list[str]:
+        """Checks that ran but asserted nothing (and say no reason): a pass would be a lie."""
+        return [name for name, c in self.checks.items()
+                if c.not_run is None and c.passed + c.failed + c.xfailed == 0]
+
+    def failing_classes(self) -> list[str]:
+        """The failure classes this cell fails (of all of them)."""
+        out = []
+        for name, (_bit, checks) in FAILURE_CLASSES.items():
+            if name == "errors":
+                hit = self.is_error
+            elif name == "stale-known-bugs":
+                hit = bool(self.stale_known_bugs)
+            else:
+                hit = any(self.checks[c].failed for c in checks if c in self.checks)
+            if hit:
+                out.append(name)
+        return out
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.tokenizer}/{self.grammar}"
 
 
 @dataclass
@@ -134,14 +210,38 @@ class Report:
     differential: list[DifferentialResult] = field(default_factory=list)
     seconds: float = 0.0
 
+    #: Failure classes that make :attr:`exit_code` non-zero.
+    fail_on: tuple[str, ...] = DEFAULT_FAIL_ON
+
     @property
     def soundness_failures(self) -> int:
         return sum(c.soundness_failures for c in self.cells)
 
+    def failing_classes(self) -> dict[str, list[str]]:
+        """Failure class -> the cells failing it (every class, selected or not)."""
+        out: dict[str, list[str]] = {}
+        for cell in self.cells:
+            for name in cell.failing_classes():
+                out.setdefault(name, []).append(cell.label)
+        if not self.cells:
+            out.setdefault("errors", []).append("no cell ran")
+        return out
+
+    def exit_status(self, fail_on: "str | Sequence[str] | None" = None) -> int:
+        """OR of the bits of the failing classes among ``fail_on`` (default: all but stale
+        known bugs): 1 soundness, 2 completeness, 4 dead ends, 8 errors, 16 control tokens,
+        32 stale known bugs. 0 only when every selected guarantee held in every cell."""
+        selected = self.fail_on if fail_on is None else parse_fail_on(fail_on)
+        code = 0
+        for name in self.failing_classes():
+            if name in selected:
+                code |= FAILURE_CLASSES[name][0]
+        return code
+
     @property
     def exit_code(self) -> int:
-        """Non-zero exactly when some masker allowed invalid output (not a known bug)."""
-        return 1 if self.soundness_failures else 0
+        """:meth:`exit_status` for the report's own ``fail_on`` selection."""
+        return self.exit_status()
 
     def merge(self, other: "Report") -> None:
         self.cells.extend(other.cells)
@@ -155,6 +255,8 @@ class Report:
             for name, check in cell.checks.items():
                 raw["checks"][name]["status"] = check.status
         data["soundness_failures"] = self.soundness_failures
+        data["failing_classes"] = self.failing_classes()
+        data["exit_status"] = self.exit_code
         return data
 
     def to_json(self) -> str:
@@ -168,9 +270,13 @@ class Report:
                 lines.extend(f"  - {item}" for item in value)
             else:
                 lines.append(f"- {key}: {value}")
+        failing = self.failing_classes()
         lines += ["", f"Total time {self.seconds:.0f} s. Soundness failures (not known bugs): "
-                  f"**{self.soundness_failures}**. Cells show passed/checked assertions; "
-                  "`+Nxf` = known upstream bugs (xfail).", ""]
+                  f"**{self.soundness_failures}**. Exit status **{self.exit_code}** (fail on "
+                  f"{', '.join(self.fail_on) or 'nothing'}). Failing classes: "
+                  + ("; ".join(f"{k} ({len(v)} cells)" for k, v in failing.items()) or "none")
+                  + ". Cells show passed/checked assertions; `+Nxf` = known upstream bugs "
+                  "(xfail).", ""]
         header = ["backend", "tokenizer", "grammar", *CHECK_NAMES, "compile s", "total s"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
@@ -178,7 +284,7 @@ class Report:
             if cell.error:
                 status = "unsupported" if cell.unsupported else "ERROR"
                 row = [cell.backend, cell.tokenizer, cell.grammar,
-                       f"{status}: {cell.error[:80]}"] + [""] * (len(CHECK_NAMES) - 1)
+                       f"{status}: {cell.error[:80]}".replace("|", "/")] + [""] * (len(CHECK_NAMES) - 1)
             else:
                 row = [cell.backend, cell.tokenizer, cell.grammar,
                        *(cell.checks[c].cell() if c in cell.checks else "-" for c in CHECK_NAMES)]
@@ -200,6 +306,16 @@ class Report:
             for cell, check, r in failures[:200]:
                 lines.append(f"- **{cell.backend} / {cell.tokenizer} / {cell.grammar} / "
                              f"{check.name}** {r.one_line()}")
+        stale = [(cell, b) for cell in self.cells for b in cell.stale_known_bugs]
+        if stale:
+            lines += ["", "## Known bugs that did not reproduce", ""]
+            lines += [f"- {cell.label}: `{b}` expected here but not seen (fixed upstream? "
+                      "then drop the entry)" for cell, b in stale]
+        vacuous = [(cell, c) for cell in self.cells for c in cell.vacuous_checks]
+        if vacuous:
+            lines += ["", "## Checks that checked nothing (counted as errors)", ""]
+            lines += [f"- {cell.label} / {c}: {'; '.join(cell.checks[c].notes) or 'no assertion'}"
+                      for cell, c in vacuous]
         notes = [(cell, check, n) for cell in self.cells for check in cell.checks.values()
                  for n in check.notes]
         if notes:
@@ -219,6 +335,74 @@ class Report:
                              f"{r['token']} allowed by {r['allowed_by']}, refused by "
                              f"{r['refused_by']} -> reference says **{r['verdict']}**")
         return "\n".join(lines) + "\n"
+
+    def to_junit_xml(self) -> str:
+        """JUnit XML: one testcase per cell and check (failure: its repros; error: a crashed
+        or vacuous cell; skipped: not applicable, with the reason)."""
+        import xml.etree.ElementTree as ET
+
+        suites = ET.Element("testsuites", name="shim-conformance")
+        suite = ET.SubElement(suites, "testsuite", name=f"conformance-{self.profile}")
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        for cell in self.cells:
+            names = list(cell.checks) or ["compile"]
+            for name in names:
+                counts["tests"] += 1
+                case = ET.SubElement(suite, "testcase", classname=cell.label, name=name,
+                                     time=f"{cell.checks[name].seconds if name in cell.checks else cell.compile_seconds:.3f}")
+                check = cell.checks.get(name)
+                if check is None:
+                    if cell.unsupported:
+                        counts["skipped"] += 1
+                        ET.SubElement(case, "skipped", message=cell.error or "unsupported")
+                    else:
+                        counts["errors"] += 1
+                        ET.SubElement(case, "error", message=cell.error or "no check ran")
+                    continue
+                if check.not_run:
+                    counts["skipped"] += 1
+                    ET.SubElement(case, "skipped", message=check.not_run)
+                elif check.failed:
+                    counts["failures"] += 1
+                    bad = [r for r in check.failures if not r.known_bug]
+                    node = ET.SubElement(case, "failure", message=f"{check.failed} failed of "
+                                         f"{check.passed + check.failed}",
+                                         type=FAILURE_CLASS_OF_CHECK.get(name, name))
+                    node.text = "\n".join(r.one_line() for r in bad) or "\n".join(check.notes)
+                elif name in cell.vacuous_checks:
+                    counts["errors"] += 1
+                    ET.SubElement(case, "error", message="checked nothing: "
+                                  + ("; ".join(check.notes) or "no assertion"))
+                if check.xfailed or check.notes:
+                    out = ET.SubElement(case, "system-out")
+                    out.text = "\n".join([r.one_line() for r in check.failures if r.known_bug]
+                                         + check.notes)
+            if cell.error and cell.checks and not cell.unsupported:
+                counts["tests"] += 1
+                counts["errors"] += 1
+                case = ET.SubElement(suite, "testcase", classname=cell.label, name="run")
+                ET.SubElement(case, "error", message=cell.error)
+            for bug in cell.stale_known_bugs:
+                counts["tests"] += 1
+                case = ET.SubElement(suite, "testcase", classname=cell.label,
+                                     name=f"known_bug:{bug}")
+                if "stale-known-bugs" in self.fail_on:
+                    counts["failures"] += 1
+                    ET.SubElement(case, "failure", message=f"known bug {bug} did not reproduce",
+                                  type="stale-known-bugs")
+                else:
+                    counts["skipped"] += 1
+                    ET.SubElement(case, "skipped", message=f"known bug {bug} did not reproduce")
+        for key, value in counts.items():
+            suite.set(key, str(value))
+        suite.set("time", f"{self.seconds:.2f}")
+        return ET.tostring(suites, encoding="unicode")
+
+    def write_junit(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text('<?xml version="1.0" encoding="utf-8"?>\n' + self.to_junit_xml() + "\n")
+        return path
 
     def write(self, directory: str | Path, stem: str | None = None) -> tuple[Path, Path]:
         directory = Path(directory)

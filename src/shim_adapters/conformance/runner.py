@@ -17,9 +17,10 @@ from ..plugins import get_backend
 from .checks import CellContext, run_cell_checks
 from .differential import differential
 from .gamma import gamma_check
+from .known_bugs import expected_known_bugs
 from .prefix import prefix_checker
 from .profiles import Profile, get_profile
-from .report import CellResult, CheckResult, Report
+from .report import CellResult, CheckResult, Report, parse_fail_on
 from .vocab import Vocabulary
 
 #: Tokenizer names meaning "the shipped LM's tokenizer".
@@ -36,10 +37,14 @@ class ResolvedTokenizer:
         self.lm = lm
 
 
-def resolve_tokenizer(spec, logits_width: int | None = None) -> ResolvedTokenizer:
+def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | None = None
+                      ) -> ResolvedTokenizer:
     """``default``/``shipped`` (the shipped LM's), an offline name (``gpt2``, ``qwen2.5``, ...),
-    a local tokenizer directory, or a tokenizer object."""
-    from ..tokenizers_offline import OFFLINE_TOKENIZERS, load_offline_tokenizer, offline_logits_width
+    a ``tokenizer.json`` file, a tokenizer directory (a config is optional), a SentencePiece
+    ``.model`` file, or a tokenizer object. ``eos``: the EOS token (text or id) for a
+    tokenizer whose files do not name one."""
+    from ..tokenizers_offline import (OFFLINE_TOKENIZERS, load_local_tokenizer,
+                                      load_offline_tokenizer, offline_logits_width)
 
     if spec is None or (isinstance(spec, str) and spec in SHIPPED_TOKENIZER_NAMES):
         from ..lm import load_lm
@@ -51,19 +56,28 @@ def resolve_tokenizer(spec, logits_width: int | None = None) -> ResolvedTokenize
                                  logits_width or offline_logits_width(spec))
     if isinstance(spec, (str, Path)):
         path = Path(spec)
-        if not path.is_dir():
-            raise ShimError(f"tokenizer {spec!r} is neither {SHIPPED_TOKENIZER_NAMES}, an offline "
-                            f"name ({', '.join(OFFLINE_TOKENIZERS)}) nor a directory")
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return ResolvedTokenizer(path.name, tok, logits_width or len(tok))
+        if not path.exists():
+            raise ShimError(f"tokenizer {str(spec)!r} is neither {SHIPPED_TOKENIZER_NAMES}, an "
+                            f"offline name ({', '.join(OFFLINE_TOKENIZERS)}), a tokenizer.json "
+                            "/ SentencePiece .model file nor a directory")
+        tok = load_local_tokenizer(path, eos=eos)
+        name = path.name if path.is_dir() else f"{path.parent.name}/{path.name}"
+        return ResolvedTokenizer(name, tok, logits_width or len(tok))
     return ResolvedTokenizer(str(getattr(spec, "name_or_path", "") or type(spec).__name__), spec,
                              logits_width or len(spec))
 
 
 def _resolve_grammar(spec) -> Grammar:
-    return spec if isinstance(spec, Grammar) else load_grammar(spec)
+    """A Grammar; a ``.regex`` file means its content without the final newline (an editor
+    adds one; a pattern that needs a trailing newline writes ``\\n``)."""
+    if isinstance(spec, Grammar):
+        return spec
+    grammar = load_grammar(spec)
+    if grammar.format == "regex" and grammar.text.endswith("\n"):
+        text = grammar.text[:-2] if grammar.text.endswith("\r\n") else grammar.text[:-1]
+        grammar = Grammar(text=text, format="regex", name=grammar.name,
+                          default_prompt=grammar.default_prompt)
+    return grammar
 
 
 def _resolve_backend(spec) -> BackendSpec:
@@ -137,6 +151,11 @@ def run_cell(cell: CellResult, ctx: CellContext, tok: ResolvedTokenizer, *, cont
         cell.checks["gamma"] = CheckResult("gamma", not_run="disabled for this run")
     for note in ctx.notes:
         cell.checks["soundness"].notes.append(note)
+    seen = {r.known_bug for c in cell.checks.values() for r in c.failures if r.known_bug}
+    seen |= {bug for c in cell.checks.values() for bug in c.info.get("known_bugs_seen", ())}
+    cell.stale_known_bugs = [b for b in expected_known_bugs(ctx.masker.backend_name,
+                                                            ctx.masker.backend_version,
+                                                            ctx.grammar) if b not in seen]
     cell.seconds = round(time.perf_counter() - t0 + cell.compile_seconds, 2)
     return cell
 
@@ -144,6 +163,7 @@ def run_cell(cell: CellResult, ctx: CellContext, tok: ResolvedTokenizer, *, cont
 def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fast", *,
                     logits_width: int | None = None, seed: int | None = None,
                     controller_dir: str | Path | None = None, gamma: bool = True,
+                    eos: str | int | None = None, fail_on=None,
                     **profile_overrides) -> Report:
     """Conformance of one backend for one tokenizer and grammar.
 
@@ -155,19 +175,26 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
     ``logits_width``: the model's logits width (default: the tokenizer's known LM width).
     ``controller_dir``: a SHIM controller artefact for the γ check (``gamma=False`` skips
     it; it is then reported as not run).
-    Returns a :class:`Report`; ``report.exit_code`` is 1 on any soundness failure.
+    ``eos``: EOS token (text or id) for a tokenizer whose files name none. ``fail_on``:
+    the failure classes that make ``report.exit_code`` non-zero (default: soundness,
+    completeness, dead-ends, errors, control-tokens; see :data:`.report.FAILURE_CLASSES`).
+    The cell was asked for, so a backend that cannot compile the grammar is an error here.
+    Returns a :class:`Report`; ``report.exit_code`` is the OR of the failing classes' bits.
     """
     if seed is not None:
         profile_overrides["seed"] = seed
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
-    report = Report(profile=prof.name, meta=_meta(prof))
-    tok = resolve_tokenizer(tokenizer, logits_width)
+    report = Report(profile=prof.name, meta=_meta(prof), fail_on=parse_fail_on(fail_on))
+    tok = resolve_tokenizer(tokenizer, logits_width, eos=eos)
     spec = _resolve_backend(backend)
     gram = _resolve_grammar(grammar)
     cell, ctx = compile_cell(spec, tok, gram, prof)
     if ctx is not None:
         run_cell(cell, ctx, tok, controller_dir=controller_dir, gamma=gamma)
+    elif cell.unsupported:
+        cell.unsupported = False  # asked for explicitly: refusing it fails the run
+        cell.error = f"backend cannot compile this grammar: {cell.error}"
     report.cells.append(cell)
     report.seconds = round(time.perf_counter() - t0, 2)
     return report
@@ -178,7 +205,7 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                profile: "str | Profile" = "fast", *, exclude: Sequence[dict] = (),
                compare: bool = True, gamma: bool = True,
                progress: Callable[[str], None] | None = print,
-               checkpoint: Callable[[Report], None] | None = None,
+               checkpoint: Callable[[Report], None] | None = None, fail_on=None,
                **profile_overrides) -> Report:
     """Every backend x tokenizer x grammar, then the differential check per tokenizer x grammar.
 
@@ -188,25 +215,44 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     """
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
-    report = Report(profile=prof.name, meta=_meta(prof))
+    report = Report(profile=prof.name, meta=_meta(prof), fail_on=parse_fail_on(fail_on))
     names = list(backends) if backends else list(installed_backends())
     report.meta["backends"] = names
     say = progress or (lambda _msg: None)
     skipped = []
     for tok_spec in tokenizers:
-        if isinstance(tok_spec, dict):
-            tok = resolve_tokenizer(tok_spec["name"], tok_spec.get("logits_width"))
-        else:
-            tok = resolve_tokenizer(tok_spec)
+        try:
+            if isinstance(tok_spec, dict):
+                tok = resolve_tokenizer(tok_spec["name"], tok_spec.get("logits_width"),
+                                        tok_spec.get("eos"))
+            else:
+                tok = resolve_tokenizer(tok_spec)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer that does not load fails its cells
+            report.cells.append(CellResult(backend="*", backend_version="", tokenizer=str(
+                tok_spec.get("name") if isinstance(tok_spec, dict) else tok_spec), grammar="*",
+                error=f"tokenizer does not load: {type(exc).__name__}: {exc}"))
+            continue
         for gram_spec in grammars:
-            gram = _resolve_grammar(gram_spec)
+            try:
+                gram = _resolve_grammar(gram_spec)
+            except Exception as exc:  # noqa: BLE001 - a grammar that does not load fails
+                report.cells.append(CellResult(backend="*", backend_version="",
+                                               tokenizer=tok.name, grammar=str(gram_spec),
+                                               error=f"grammar does not load: {exc}"))
+                continue
             contexts = []
             for name in names:
                 reason = _excluded(exclude, name, tok.name, gram.name)
                 if reason:
                     skipped.append(f"{name} x {tok.name} x {gram.name}: {reason}")
                     continue
-                spec = _resolve_backend(name)
+                try:
+                    spec = _resolve_backend(name)
+                except Exception as exc:  # noqa: BLE001 - an unknown backend fails its cells
+                    report.cells.append(CellResult(backend=name, backend_version="",
+                                                   tokenizer=tok.name, grammar=gram.name,
+                                                   error=f"backend not available: {exc}"))
+                    continue
                 cell, ctx = compile_cell(spec, tok, gram, prof)
                 if ctx is not None:
                     run_cell(cell, ctx, tok, gamma=gamma)
@@ -246,11 +292,12 @@ def _hit(pattern, value: str) -> bool:
 
 
 def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = print,
-                     checkpoint: Callable[[Report], None] | None = None,
+                     checkpoint: Callable[[Report], None] | None = None, fail_on=None,
                      **profile_overrides) -> Report:
     """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
     installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
-    names or paths relative to the file), ``exclude`` (cells with a reason))."""
+    names or paths relative to the file), ``exclude`` (cells with a reason), ``gamma``
+    (false: the γ check is reported as not run), ``fail_on``)."""
     import json
 
     path = Path(path)
@@ -262,6 +309,8 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
     report = run_matrix(spec.get("backends"), spec["tokenizers"], grammars,
                         spec.get("profile", "fast"), exclude=spec.get("exclude", ()),
                         progress=progress, checkpoint=checkpoint,
+                        fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
+                        gamma=spec.get("gamma", True),
                         **{**spec.get("overrides", {}), **profile_overrides})
     report.meta["profile_file"] = path.name
     if spec.get("description"):

@@ -56,6 +56,30 @@ class Vocabulary:
         return frozenset(int(i) for i in ids)
 
     @cached_property
+    def control_ids(self) -> frozenset[int]:
+        """Added tokens that are control tokens of a chat template but not flagged special.
+
+        Many recent tokenizers ship turn markers and tool/FIM tokens as plain added tokens;
+        they decode to text, yet a model reads them as control. An added, non-special token
+        counts as control when the chat template names it or it has the ``<|...|>`` form."""
+        import re
+
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if isinstance(template, dict):
+            template = " ".join(str(v) for v in template.values())
+        if isinstance(template, list):
+            template = " ".join(str(t.get("template", "")) for t in template
+                                if isinstance(t, dict))
+        ids = set()
+        for a in self._definition.get("added_tokens", []):
+            if a.get("special"):
+                continue
+            content = a.get("content", "")
+            if (content and content in template) or re.fullmatch(r"<\|[^|\s]+\|>", content):
+                ids.add(int(a["id"]))
+        return frozenset(ids - self.special_ids)
+
+    @cached_property
     def eos_ids(self) -> frozenset[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return frozenset() if eos is None else frozenset([int(eos)])
@@ -95,6 +119,12 @@ class Vocabulary:
             if b and b not in out:
                 out[b] = i
         return out
+
+    @cached_property
+    def sorted_text(self) -> tuple[np.ndarray, list[bytes]]:
+        """Text ids sorted by their bytes, and those bytes: the byte-prefix trie, flattened."""
+        pairs = sorted((b, i) for i, b in enumerate(self.token_bytes) if b)
+        return np.array([i for _, i in pairs], dtype=np.int64), [b for b, _ in pairs]
 
     @cached_property
     def padding_ids(self) -> np.ndarray:
@@ -145,7 +175,37 @@ class Vocabulary:
         both = self.tokenizer.encode(sep + text, add_special_tokens=False)
         if both[:len(head)] == head and self.to_bytes(both[len(head):]) == text.encode():
             return both[len(head):], "in_context"
-        return self.tokenizer.encode(text, add_special_tokens=False), "plain"
+        plain = self.tokenizer.encode(text, add_special_tokens=False)
+        if self.to_bytes(plain) == text.encode():
+            return plain, "plain"
+        # A normaliser (NFKC, lowercasing...) rewrote the text: encode() would feed the
+        # masker other bytes than the string under test. Build the tokens from the
+        # vocabulary's own byte strings instead (greedy longest match).
+        greedy = self.greedy_bytes(text.encode())
+        if greedy is not None:
+            return greedy, "vocab_bytes"
+        return plain, "plain_mismatch"
+
+    @cached_property
+    def _max_token_len(self) -> int:
+        return max((len(b) for b in self.bytes_to_id), default=1)
+
+    def greedy_bytes(self, data: bytes) -> list[int] | None:
+        """Tokens whose bytes concatenate to exactly ``data`` (longest match first)."""
+        ids: list[int] = []
+        i = 0
+        table = self.bytes_to_id
+        longest = self._max_token_len
+        while i < len(data):
+            for size in range(min(longest, len(data) - i), 0, -1):
+                t = table.get(data[i:i + size])
+                if t is not None:
+                    ids.append(t)
+                    i += size
+                    break
+            else:
+                return None
+        return ids
 
     def to_bytes(self, token_ids) -> bytes | None:
         parts = []

@@ -1,0 +1,146 @@
+"""pytest plugin: run conformance on *your* backend, tokenizer and grammars in CI, one line.
+
+    pytest --shim-conformance=xgrammar --shim-tokenizer=./tokenizer.json \\
+        --shim-grammar=grammars/order.lark --shim-grammar=grammars/id.regex
+
+adds one test per grammar and failure class (soundness, completeness, dead-ends, errors,
+control-tokens) that fails with the minimised repros; ``--shim-fail-on`` narrows the classes,
+``--shim-eos`` names the EOS token of a bare tokenizer, ``--shim-profile`` picks ``fast`` or
+``full``, ``--shim-report DIR`` keeps the JSON + markdown reports. The plugin is registered
+through the ``pytest11`` entry point of ``shim-adapters``; the ``shim_conformance`` fixture runs
+a cell from a test and fails it on any selected failure class.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("shim-conformance", "SHIM masker conformance")
+    group.addoption("--shim-conformance", metavar="BACKEND", default=None,
+                    help="run conformance for this registered backend (enables the plugin)")
+    group.addoption("--shim-tokenizer", default="default",
+                    help="tokenizer: offline name, tokenizer.json, directory or .model file")
+    group.addoption("--shim-grammar", action="append", default=[],
+                    help="grammar file or built-in name (repeat for several)")
+    group.addoption("--shim-eos", default=None, help="EOS token (text or id) if the files name none")
+    group.addoption("--shim-profile", default="fast", help="conformance profile: fast or full")
+    group.addoption("--shim-fail-on", default=None,
+                    help="comma list of failure classes that fail (default: all but stale "
+                         "known bugs)")
+    group.addoption("--shim-logits-width", type=int, default=None)
+    group.addoption("--shim-report", default=None, help="directory for the JSON + md reports")
+
+
+def _classes(config) -> tuple[str, ...]:
+    from .report import parse_fail_on
+
+    return parse_fail_on(config.getoption("--shim-fail-on"))
+
+
+class ConformanceItem(pytest.Item):
+    """One grammar x failure class of the configured backend and tokenizer."""
+
+    def __init__(self, *, grammar: str, failure_class: str, **kwargs):
+        super().__init__(**kwargs)
+        self.grammar = grammar
+        self.failure_class = failure_class
+
+    def _report(self):
+        cache = self.config.stash.setdefault(_REPORTS, {})
+        if self.grammar not in cache:
+            from .runner import run_conformance
+
+            opt = self.config.getoption
+            report = run_conformance(opt("--shim-conformance"), opt("--shim-tokenizer"),
+                                     self.grammar, opt("--shim-profile"),
+                                     logits_width=opt("--shim-logits-width"),
+                                     eos=opt("--shim-eos"), fail_on=_classes(self.config),
+                                     gamma=False)
+            if opt("--shim-report"):
+                report.write(opt("--shim-report"), f"conformance-{Path(self.grammar).name}")
+            cache[self.grammar] = report
+        return cache[self.grammar]
+
+    def runtest(self) -> None:
+        report = self._report()
+        failing = report.failing_classes()
+        cells = failing.get(self.failure_class)
+        if cells:
+            raise ConformanceFailure(report, self.failure_class)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, ConformanceFailure):
+            return excinfo.value.explain()
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return Path(self.grammar), None, f"conformance {self.name}"
+
+
+class ConformanceFailure(Exception):
+    def __init__(self, report, failure_class: str):
+        super().__init__(failure_class)
+        self.report = report
+        self.failure_class = failure_class
+
+    def explain(self) -> str:
+        from .report import FAILURE_CLASSES
+
+        checks = FAILURE_CLASSES[self.failure_class][1]
+        lines = [f"{self.failure_class} failed (exit bit {FAILURE_CLASSES[self.failure_class][0]})"]
+        for cell in self.report.cells:
+            if self.failure_class == "errors":
+                if cell.error:
+                    lines.append(f"{cell.label}: {cell.error}")
+                lines += [f"{cell.label}: check {c} checked nothing" for c in cell.vacuous_checks]
+            if self.failure_class == "stale-known-bugs":
+                lines += [f"{cell.label}: known bug {b} did not reproduce"
+                          for b in cell.stale_known_bugs]
+            for name in checks:
+                check = cell.checks.get(name)
+                if check is None or not check.failed:
+                    continue
+                lines.append(f"{cell.label} / {name}: {check.failed} failed of "
+                             f"{check.passed + check.failed}")
+                lines += [f"  - {r.one_line()}" for r in check.failures if not r.known_bug][:20]
+        return "\n".join(lines)
+
+
+_REPORTS = pytest.StashKey[dict]()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    backend = config.getoption("--shim-conformance")
+    if not backend:
+        return
+    grammars = config.getoption("--shim-grammar")
+    if not grammars:
+        raise pytest.UsageError("--shim-conformance needs at least one --shim-grammar")
+    tokenizer = Path(str(config.getoption("--shim-tokenizer"))).name
+    for grammar in grammars:
+        for failure_class in _classes(config):
+            items.append(ConformanceItem.from_parent(
+                session, name=f"{backend}/{tokenizer}/{Path(grammar).name}::{failure_class}",
+                grammar=grammar, failure_class=failure_class))
+
+
+@pytest.fixture
+def shim_conformance():
+    """``shim_conformance(backend, tokenizer, grammar, fail_on=None, **kw) -> Report``; fails
+    the calling test on any selected failure class, listing the minimised repros."""
+    def run(backend, tokenizer, grammar, fail_on=None, **kwargs):
+        from .runner import run_conformance
+
+        kwargs.setdefault("gamma", False)
+        report = run_conformance(backend, tokenizer, grammar, fail_on=fail_on, **kwargs)
+        if report.exit_code:
+            failing = [c for c in report.failing_classes() if c in report.fail_on]
+            pytest.fail("\n\n".join(ConformanceFailure(report, c).explain() for c in failing),
+                        pytrace=False)
+        return report
+
+    return run
