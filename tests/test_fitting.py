@@ -31,12 +31,17 @@ def binary5(shipped_lm):
                                            shipped_lm.vocab_size)
 
 
-def test_auto_target_uses_final_labels_where_valid_draws_are_plentiful(shipped_lm, binary5):
+def test_auto_target_uses_rollout_labels_and_records_p_valid(shipped_lm, binary5):
     c, manifest = fit_controller(shipped_lm, binary5, n_samples=120, progress=False, **FAST)
     t = manifest["training"]
-    assert t["target"] == "final" and t["p_valid_estimate"] >= 0.3
-    assert "plentiful" in t["target_reason"]
+    assert t["target"] == "rollout" and "auto" in t["target_reason"]
+    # P(L) estimated from the masked rollouts (mean ∏ Z) agrees with the LM's valid rate
+    assert 0.35 < t["p_valid_estimate"] < 0.7
     assert t["forward_tokens_per_valid_sample"] > 0
+    final, m2 = fit_controller(shipped_lm, binary5, n_samples=120, target="final",
+                               progress=False, **FAST)
+    assert m2["training"]["target"] == "final"
+    assert abs(m2["training"]["p_valid_estimate"] - t["p_valid_estimate"]) < 0.2
 
 
 def test_rarely_valid_lm_gets_rollout_labels_and_never_no_training_rows(shipped_lm, bv4):

@@ -392,7 +392,7 @@ def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions
         info[name] = {"fit_seconds": fit_seconds, "training_samples": n_train,
                       "training_sample_seconds": sample_seconds, "target": target,
                       "target_reason": target_info.get("target_reason"),
-                      "p_valid_estimate": target_info.get("p_valid_estimate"),
+                      "p_valid_estimate": training.get("p_valid_estimate"),
                       "controller_bytes": int(manifest.get("weights_bytes", 0)),
                       "beta": float(getattr(controller, "beta_", float("nan"))),
                       "reg": float(getattr(controller, "reg_", float("nan"))),
