@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                     ratios.append(mk / max(lf, 1e-3))
                 if ci is not None and ci[0] > 0:
                     worse.append(c["name"])
-            diff = "—" if d is None or ci is None else f"{d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+            diff = ("—" if d is None or ci is None else
+                    f"not measurable (ESS {imp['ess']:.3g})" if imp["ess"] < MIN_ESS else
+                    f"{d:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
             fit = c["methods"].get("lr_full", {})
             fit_s = (f"{fit.get('target')}, β {fit.get('beta', float('nan')):.2f}" +
                      (", fell back" if fit.get("falls_back_to_masking") else ""))
