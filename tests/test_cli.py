@@ -168,6 +168,11 @@ def test_eval_one_case_from_files(files):
     assert [c["name"] for c in report["cases"]] == ["g"]
     bad = run("eval", "--suite", "fast", "--grammar", files / "g.lark")
     assert bad.exit_code == 2 and "give --suite S" in bad.stderr
+    # the shipped LM is not an instruct LM: --chat says so in one line
+    no_chat = run("eval", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--chat",
+                  "--methods", "masking", "--n-samples", "4", "--timing-samples", "0",
+                  "--backend", "syncode", "--out", files / "eval-chat")
+    assert no_chat.exit_code == 2 and "no chat template" in no_chat.stderr
 
 
 def test_explain_says_why_a_token_is_refused(files):

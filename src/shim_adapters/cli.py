@@ -526,6 +526,8 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
                    "any P(L)); 0: rejection-based KL only.")
 @click.option("--resume", is_flag=True,
               help="Keep the cases already in OUT/report.json and run only the others.")
+@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each "
+                                           "case's prompt (instruct LMs).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", "out_dir", default="runs/eval", show_default=True,
               type=click.Path(file_okay=False))
@@ -533,7 +535,7 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, 
                  stop_at_newline, data_dir, lm_spec, backend, methods, n_samples, n_train,
                  asap_samples, asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
                  max_new_tokens, batch_size, cut_draws, threads, cases, limit, target, rounds,
-                 mixture_samples, resume, seed, out_dir) -> None:
+                 mixture_samples, resume, chat, seed, out_dir) -> None:
     """KL to the grammar-conditioned target and time per sample, per method and case."""
     from .evaluation import METHODS
     from .evaluation.report import markdown
@@ -576,7 +578,7 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, 
                       n_bootstrap=n_bootstrap, max_new_tokens=max_new_tokens,
                       batch_size=batch_size, cut_draws=cut_draws, data_dir=data_dir,
                       limit=limit, target=target, rounds=rounds,
-                      mixture_samples=mixture_samples, resume=resume,
+                      mixture_samples=mixture_samples, resume=resume, chat=chat,
                       cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
     click.echo(markdown(report))
     click.echo(f"wrote {out_dir}")

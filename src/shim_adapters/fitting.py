@@ -110,10 +110,12 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
             raise ValueError(f"grammar {masker.grammar.name!r} has no default prompt: give a "
                              f"prompt")
     base_lm = lm
-    rendered = render_prompt(lm.tokenizer, prompt, chat)
     training: dict[str, Any] = {"prompting": {"chat": bool(chat)}}
-    pre = prefilled if prefilled is not None else \
-        prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
+    if prefilled is not None:  # the caller rendered (chat) and prefilled the prompt already
+        pre = prefilled
+    else:
+        rendered = render_prompt(lm.tokenizer, prompt, chat)
+        pre = prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
 
     if data is None and prefilled is None:
         if stop_at_newline == "auto":
@@ -127,7 +129,7 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
         training["prompting"]["stop_at_newline"] = fold
         if fold:
             lm = stop_folded(lm, masker.eos_token_ids)
-            pre = prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
+            pre = prefill(lm, pre.prompt, add_special_tokens=rendered.add_special_tokens)
     else:  # the caller's data / prefilled prompt already fixed the LM view
         training["prompting"]["stop_at_newline"] = bool(stop_at_newline is True)
 

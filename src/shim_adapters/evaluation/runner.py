@@ -23,7 +23,8 @@ import torch
 
 from ..protocol import Masker
 from .asap import run_asap
-from ..sampling import prefill, sample
+from ..prompting import prefill_prompt
+from ..sampling import sample
 from .exact_language import LanguageTooLargeError, enumerate_language
 from .lm_views import gqa_without_copies, stop_folded
 from .metrics import (bootstrap_kl, exact_kl, grouped_probabilities, language_kl, stability_curve,
@@ -72,6 +73,8 @@ class EvalOptions:
     limit: int | None = None
     #: Keep the cases already in ``out_dir/report.json`` and run only the others.
     resume: bool = False
+    #: Wrap each case's prompt in the LM's chat template (instruct LMs).
+    chat: bool = False
 
     def as_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -201,7 +204,7 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
         masker = spec.compile(case.grammar, lm.tokenizer, lm.vocab_size)
     if case.stop_at_newline:
         lm = stop_folded(lm, masker.eos_token_ids)
-    pre = prefill(lm, case.prompt)
+    pre = prefill_prompt(lm, case.prompt, opts.chat)
     result: dict[str, Any] = {
         "name": case.name, "grammar": case.grammar.name, "grammar_sha256": case.grammar.sha256,
         "prompt_tokens": pre.length, "max_new_tokens": max_new,
@@ -381,7 +384,7 @@ def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions
                 lm, masker, pre.prompt, SHIM_KINDS[name], n_train, data=data, prefilled=pre,
                 target=target, rounds=opts.rounds, max_new_tokens=max_new,
                 seed=opts.seed + 1, progress=False, batch_size=opts.batch_size,
-                stop_at_newline=case.stop_at_newline, output_dir=directory)
+                stop_at_newline=case.stop_at_newline, chat=opts.chat, output_dir=directory)
         except ValueError as exc:  # e.g. no training rows for the final target
             info[name] = {"error": str(exc), "target": target, "falls_back_to_masking": True}
             out[name] = None
