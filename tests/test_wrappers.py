@@ -379,3 +379,75 @@ def test_upstream_syncode_keeps_constraining_inside_a_literal(lm, syncode_cls):
     for ids in _define_prefix(lm):
         scores = processor(ids, torch.zeros(1, lm.vocab_size))
     assert torch.isneginf(scores).any()
+
+
+# ---- byte tokens that break UTF-8: masked with one warning, never a disagreement -------------
+def _byte_id(lm, byte: int) -> int:
+    from shim_adapters.conformance.vocab import Vocabulary
+
+    table = Vocabulary(lm.tokenizer, lm.vocab_size).token_bytes
+    return next(i for i, b in enumerate(table) if b == bytes([byte]))
+
+
+STRING_REGEX = Grammar(text=r'\["[^"\\]*"\]', format="regex", name="json-string-regex",
+                      default_prompt=builtin_grammar("json").default_prompt)
+
+
+def _string_wrapper(lm, backend: str, syncode_cls):
+    if backend == "syncode":
+        return wrap(lm, "syncode", "json", syncode_cls)
+    import outlines
+
+    from shim_outlines.wrap import with_shim
+
+    key = ("outlines", STRING_REGEX.name)
+    if key not in _FITTED:
+        masker = get_backend("outlines").compile(STRING_REGEX, lm.tokenizer, lm.vocab_size)
+        _FITTED[key] = (masker, fit_controller(lm, masker, seed=3, **dict(
+            FIT, n_samples=16, max_new_tokens=16)))
+    generator = outlines.Generator(outlines.from_transformers(lm.model, lm.tokenizer),
+                                   outlines.types.Regex(STRING_REGEX.text))
+    wrapped = with_shim(generator, _FITTED[key][1], grammar=STRING_REGEX)
+    return wrapped.logits_processor.shim
+
+
+@pytest.mark.parametrize("backend", ["syncode", "outlines"])
+def test_wrapper_masks_byte_tokens_that_break_utf8_and_keeps_completable_ones(
+        lm, syncode_cls, backend):
+    """A multi-byte character split into byte tokens inside a JSON string goes through the
+    wrapper (no BackendDisagreementError), and tokens that would break UTF-8 for ever are
+    masked. outlines' own vocabulary reads partial-UTF-8 tokens as U+FFFD, so its processor
+    allows lone continuation bytes in a string and ASCII after a lead byte: the wrapper masks
+    them with one ShimWarning naming them instead of failing; SynCode's byte DFAs do the same
+    after a lead byte."""
+    import warnings
+
+    from shim_adapters.wrap import ShimWarning
+
+    processor = _string_wrapper(lm, backend, syncode_cls)
+    prompt = lm.tokenizer(builtin_grammar("json").default_prompt)["input_ids"]
+    tokens = lm.tokenizer('["')["input_ids"]
+    lead, cont1, cont2, stray, lone = (_byte_id(lm, b) for b in (0xE4, 0xB8, 0xAD, 0xF5, 0xB7))
+    a = lm.tokenizer("a")["input_ids"][0]
+    row = prompt[:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShimWarning)
+        for step, token in enumerate(tokens + [lead, cont1, cont2]):
+            scores = processor(torch.tensor([row]), torch.zeros(1, lm.vocab_size))
+            if step >= len(tokens):  # inside the string
+                assert not torch.isneginf(scores[0, token])
+                assert torch.isneginf(scores[0, stray])
+            if step == len(tokens):  # no character begun: a continuation byte never fits
+                assert torch.isneginf(scores[0, lone])
+            if step > len(tokens):  # after a lead byte
+                assert torch.isneginf(scores[0, a])
+            row.append(token)
+        scores = processor(torch.tensor([row]), torch.zeros(1, lm.vocab_size))
+    assert not torch.isneginf(scores[0, a])  # the character is finished: text goes on
+    state = processor.states[0]
+    assert state.masker.decode(state.token_ids) == '["中'
+    messages = [str(w.message) for w in caught if issubclass(w.category, ShimWarning)]
+    assert any("invalid UTF-8" in m and repr(b"\xa1") in m for m in messages)
+    assert all("invalid UTF-8" in m or "tab token" in m for m in messages)
+    if backend == "syncode":  # SynCode also allows a raw tab in the string (read as spaces)
+        assert any("tab token" in m for m in messages)

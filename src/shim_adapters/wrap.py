@@ -16,7 +16,10 @@ what a bare processor cannot check by itself:
   tokenizer than the controller was fitted for, or stopped constraining. One exception:
   control/special tokens (``<|im_start|>``, ``<unk>``...; EOS excluded), which some backends
   let through wherever their literal text would fit, are masked with one :class:`ShimWarning`
-  naming them (they are never emitted as text). Tokens the backend forbids stay forbidden, so
+  naming them (they are never emitted as text). Likewise byte tokens that would make the
+  output invalid UTF-8 for ever (outlines reads partial-UTF-8 tokens as U+FFFD, SynCode's byte
+  DFAs pass unknown bytes in strings); partial-UTF-8 tokens that can still complete a character
+  are allowed by the plugins' maskers. Tokens the backend forbids stay forbidden, so
   the backend's own guarantee is kept, and a row left with no token fails closed
   (:class:`~shim_adapters.errors.DeadEndError`).
 
@@ -44,6 +47,7 @@ from .bitmask import bitmask_to_bool
 from .generation import MaskedLogitsProcessor
 from .grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from .protocol import Masker, MaskerState
+from .utf8 import incomplete_tail, utf8_prefix_ok
 
 #: What wrappers accept as a controller: an artefact directory, ``(controller, manifest)`` as
 #: :func:`~shim_adapters.controller.fit_controller` returns it, or a fitted controller (then
@@ -145,6 +149,7 @@ class ShimWrapper(MaskedLogitsProcessor):
         self._bitmask = None
         self._eos_row = None
         self._warned_special: set[int] = set()
+        self._warned_utf8: set[int] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def reset(self, states: Sequence[MaskerState] | None = None) -> None:
@@ -282,6 +287,10 @@ class ShimWrapper(MaskedLogitsProcessor):
             extra &= ~special
         if not bool(extra.any()):
             return
+        self._mask_broken_utf8(extra)
+        self._mask_known_overreach(extra)
+        if not bool(extra.any()):
+            return
         row = int(torch.nonzero(extra.any(dim=1))[0, 0])
         state = self.states[row]
         ids = torch.nonzero(extra[row])[:, 0].tolist()
@@ -292,6 +301,47 @@ class ShimWrapper(MaskedLogitsProcessor):
             f"grammar forbids: {shown}. The processor's grammar or tokenizer is not the "
             f"one the controller was fitted for (or the processor stopped constraining)"
             f"; refusing to continue. State: {state.describe()}")
+
+    def _token_bytes(self) -> list:
+        cached = getattr(self, "_bytes_cache", None)
+        if cached is None:
+            from .conformance.vocab import Vocabulary
+
+            cached = Vocabulary(self.masker.tokenizer, self.masker.vocab_size).token_bytes
+            self._bytes_cache = cached
+        return cached
+
+    def _mask_broken_utf8(self, extra: torch.Tensor) -> None:
+        """Drop from ``extra`` (in place) the byte tokens that would make a row's output
+        invalid UTF-8 for ever, with one :class:`ShimWarning` per token id.
+
+        Backends that match grammars over strings let them through: outlines' vocabulary
+        reads every partial-UTF-8 token as U+FFFD (one valid character), SynCode's byte DFAs
+        pass unknown bytes inside a string. No continuation of such a row is text, so masking
+        them keeps every valid output; what a backend allows beyond that is still refused."""
+        table = self._token_bytes()
+        broken: list[int] = []
+        for row in torch.nonzero(extra.any(dim=1))[:, 0].tolist():
+            done = [table[t] for t in self.states[row].token_ids if t < len(table) and table[t]]
+            pending = incomplete_tail(b"".join(done[-3:]))
+            for token_id in torch.nonzero(extra[row])[:, 0].tolist():
+                data = table[token_id]
+                if data and not utf8_prefix_ok(pending + data):
+                    extra[row, token_id] = False
+                    broken.append(token_id)
+        new = sorted(set(broken) - self._warned_utf8)
+        if new:
+            self._warned_utf8.update(new)
+            shown = ", ".join(f"{t} ({table[t]!r})" for t in new[:8])
+            warnings.warn(
+                f"the wrapped {self.masker.backend_name} processor allows {len(new)} byte "
+                f"token(s) where they make the output invalid UTF-8 for ever ({shown}"
+                f"{', ...' if len(new) > 8 else ''}); they are masked",
+                ShimWarning, stacklevel=4)
+
+    def _mask_known_overreach(self, extra: torch.Tensor) -> None:
+        """Hook: drop from ``extra`` (in place, with a warning) the tokens a documented bug of
+        the wrapped processor lets through where the controller's masker is right."""
 
     def _check_not_empty(self, scores: torch.FloatTensor) -> None:
         empty = torch.isneginf(scores).all(dim=1)
