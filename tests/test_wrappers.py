@@ -379,3 +379,168 @@ def test_upstream_syncode_keeps_constraining_inside_a_literal(lm, syncode_cls):
     for ids in _define_prefix(lm):
         scores = processor(ids, torch.zeros(1, lm.vocab_size))
     assert torch.isneginf(scores).any()
+
+
+# ---- byte tokens that break UTF-8: masked with one warning, never a disagreement -------------
+def _byte_id(lm, byte: int) -> int:
+    from shim_adapters.conformance.vocab import Vocabulary
+
+    table = Vocabulary(lm.tokenizer, lm.vocab_size).token_bytes
+    return next(i for i, b in enumerate(table) if b == bytes([byte]))
+
+
+STRING_REGEX = Grammar(text=r'\["[^"\\]*"\]', format="regex", name="json-string-regex",
+                      default_prompt=builtin_grammar("json").default_prompt)
+
+
+def _string_wrapper(lm, backend: str, syncode_cls):
+    if backend == "syncode":
+        return wrap(lm, "syncode", "json", syncode_cls)
+    import outlines
+
+    from shim_outlines.wrap import with_shim
+
+    key = ("outlines", STRING_REGEX.name)
+    if key not in _FITTED:
+        masker = get_backend("outlines").compile(STRING_REGEX, lm.tokenizer, lm.vocab_size)
+        _FITTED[key] = (masker, fit_controller(lm, masker, seed=3, **dict(
+            FIT, n_samples=16, max_new_tokens=16)))
+    generator = outlines.Generator(outlines.from_transformers(lm.model, lm.tokenizer),
+                                   outlines.types.Regex(STRING_REGEX.text))
+    wrapped = with_shim(generator, _FITTED[key][1], grammar=STRING_REGEX)
+    return wrapped.logits_processor.shim
+
+
+@pytest.mark.parametrize("backend", ["syncode", "outlines"])
+def test_wrapper_masks_byte_tokens_that_break_utf8_and_keeps_completable_ones(
+        lm, syncode_cls, backend):
+    """A multi-byte character split into byte tokens inside a JSON string goes through the
+    wrapper (no BackendDisagreementError), and tokens that would break UTF-8 for ever are
+    masked. outlines' own vocabulary reads partial-UTF-8 tokens as U+FFFD, so its processor
+    allows lone continuation bytes in a string and ASCII after a lead byte: the wrapper masks
+    them with one ShimWarning naming them instead of failing; SynCode's byte DFAs do the same
+    after a lead byte."""
+    import warnings
+
+    from shim_adapters.wrap import ShimWarning
+
+    processor = _string_wrapper(lm, backend, syncode_cls)
+    prompt = lm.tokenizer(builtin_grammar("json").default_prompt)["input_ids"]
+    tokens = lm.tokenizer('["')["input_ids"]
+    lead, cont1, cont2, stray, lone = (_byte_id(lm, b) for b in (0xE4, 0xB8, 0xAD, 0xF5, 0xB7))
+    a = lm.tokenizer("a")["input_ids"][0]
+    row = prompt[:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShimWarning)
+        for step, token in enumerate(tokens + [lead, cont1, cont2]):
+            scores = processor(torch.tensor([row]), torch.zeros(1, lm.vocab_size))
+            if step >= len(tokens):  # inside the string
+                assert not torch.isneginf(scores[0, token])
+                assert torch.isneginf(scores[0, stray])
+            if step == len(tokens):  # no character begun: a continuation byte never fits
+                assert torch.isneginf(scores[0, lone])
+            if step > len(tokens):  # after a lead byte
+                assert torch.isneginf(scores[0, a])
+            row.append(token)
+        scores = processor(torch.tensor([row]), torch.zeros(1, lm.vocab_size))
+    assert not torch.isneginf(scores[0, a])  # the character is finished: text goes on
+    state = processor.states[0]
+    assert state.masker.decode(state.token_ids) == '["中'
+    messages = [str(w.message) for w in caught if issubclass(w.category, ShimWarning)]
+    assert any("invalid UTF-8" in m and repr(b"\xa1") in m for m in messages)
+    assert all("invalid UTF-8" in m or "tab token" in m for m in messages)
+    if backend == "syncode":  # SynCode also allows a raw tab in the string (read as spaces)
+        assert any("tab token" in m for m in messages)
+
+
+# ---- cut-off samples are reported, never returned as output ----------------------------------
+def test_plain_wrapper_reports_rows_cut_off_before_the_grammar_accepts(lm):
+    from shim_adapters.wrap import IncompleteSample
+
+    masker, controller = fitted(lm, "xgrammar", "bv4")
+    processor = shim_logits_processor(masker, controller, model=lm.model)
+    enc = lm.tokenizer([builtin_grammar("bv4").default_prompt] * 2, return_tensors="pt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = lm.model.generate(**enc, logits_processor=[processor], max_new_tokens=3,
+                                eos_token_id=EOS, pad_token_id=EOS, **FAITHFUL_SAMPLING)
+    reports = processor.outputs(out)
+    assert all(isinstance(r, IncompleteSample) for r in reports), reports
+    assert processor.incomplete_rows(out) == [0, 1]
+    assert "before the grammar accepted" in str(reports[0])
+    assert reports[0].text == lm.tokenizer.decode(out[0, enc["input_ids"].shape[1]:])
+    # with room to finish, finished rows come back as text in the language
+    processor.reset()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = lm.model.generate(**enc, logits_processor=[processor], max_new_tokens=64,
+                                eos_token_id=EOS, pad_token_id=EOS, **FAITHFUL_SAMPLING)
+    texts = [r for r in processor.outputs(out) if isinstance(r, str)]
+    assert texts and all(reference_acceptor(builtin_grammar("bv4")).accepts(t) for t in texts)
+
+
+def test_outlines_wrapper_returns_incomplete_samples_in_place_of_cut_off_text(lm, syncode_cls):
+    from shim_adapters.wrap import IncompleteSample
+
+    import outlines
+
+    from shim_outlines.wrap import with_shim
+
+    _string_wrapper(lm, "outlines", syncode_cls)  # fits the string-regex controller once
+    generator = outlines.Generator(outlines.from_transformers(lm.model, lm.tokenizer),
+                                   outlines.types.Regex(STRING_REGEX.text))
+    wrapped = with_shim(generator, _FITTED[("outlines", STRING_REGEX.name)][1],
+                        grammar=STRING_REGEX)
+    torch.manual_seed(0)
+    cut = wrapped.batch([STRING_REGEX.default_prompt] * 2, max_new_tokens=2, do_sample=True)
+    assert len(cut) == 2 and all(isinstance(r, IncompleteSample) for r in cut), cut
+    one = wrapped(STRING_REGEX.default_prompt, max_new_tokens=2, do_sample=True)
+    assert isinstance(one, IncompleteSample) and one.text.startswith("[")
+
+
+# ---- the LM the wrapper runs is the controller's ---------------------------------------------
+@pytest.fixture(scope="module")
+def other_lm(lm, tmp_path_factory):
+    """The shipped LM with one weight changed, saved and loaded like any local model."""
+    import copy
+
+    from shim_adapters.lm import load_lm
+
+    model = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    directory = tmp_path_factory.mktemp("other_lm")
+    model.save_pretrained(directory)
+    lm.tokenizer.save_pretrained(directory)
+    return load_lm(str(directory))
+
+
+def test_wrappers_refuse_a_model_other_than_the_controllers_lm(lm, other_lm):
+    import outlines
+
+    from shim_outlines.wrap import with_shim
+
+    masker, controller = fitted(lm, "xgrammar", "bv4")
+    assert controller[1]["lm_revision"] == lm.revision != other_lm.revision
+    shim_logits_processor(masker, controller, model=lm.model)  # the same LM: accepted
+    with pytest.raises(ManifestMismatchError, match="lm_revision"):
+        shim_logits_processor(masker, controller, model=other_lm.model)
+    with pytest.raises(ValueError, match="is not the model the wrapper runs"):
+        shim_logits_processor(masker, controller, model=other_lm.model, lm=lm)
+    _, outlines_bv4 = fitted(lm, "outlines", "bv4")
+    generator = outlines.Generator(outlines.from_transformers(other_lm.model, lm.tokenizer),
+                                   outlines.types.CFG(builtin_grammar("bv4").text))
+    with pytest.raises(ManifestMismatchError, match="lm_revision"):
+        with_shim(generator, outlines_bv4)
+
+
+def test_outlines_regex_wrapper_refuses_a_generator_of_another_regex(lm, regex_setup):
+    import outlines
+
+    from shim_outlines.wrap import with_shim
+
+    grammar, _, controller, _ = regex_setup
+    other = outlines.Generator(outlines.from_transformers(lm.model, lm.tokenizer),
+                               outlines.types.Regex("(00100|11111)"))
+    with pytest.raises(ValueError, match="indexes differ"):
+        with_shim(other, controller, grammar=grammar)

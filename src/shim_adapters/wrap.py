@@ -16,7 +16,10 @@ what a bare processor cannot check by itself:
   tokenizer than the controller was fitted for, or stopped constraining. One exception:
   control/special tokens (``<|im_start|>``, ``<unk>``...; EOS excluded), which some backends
   let through wherever their literal text would fit, are masked with one :class:`ShimWarning`
-  naming them (they are never emitted as text). Tokens the backend forbids stay forbidden, so
+  naming them (they are never emitted as text). Likewise byte tokens that would make the
+  output invalid UTF-8 for ever (outlines reads partial-UTF-8 tokens as U+FFFD, SynCode's byte
+  DFAs pass unknown bytes in strings); partial-UTF-8 tokens that can still complete a character
+  are allowed by the plugins' maskers. Tokens the backend forbids stay forbidden, so
   the backend's own guarantee is kept, and a row left with no token fails closed
   (:class:`~shim_adapters.errors.DeadEndError`).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Tuple, Union
 
@@ -44,6 +48,7 @@ from .bitmask import bitmask_to_bool
 from .generation import MaskedLogitsProcessor
 from .grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from .protocol import Masker, MaskerState
+from .utf8 import incomplete_tail, utf8_prefix_ok
 
 #: What wrappers accept as a controller: an artefact directory, ``(controller, manifest)`` as
 #: :func:`~shim_adapters.controller.fit_controller` returns it, or a fitted controller (then
@@ -60,6 +65,22 @@ class UnsupportedDecodingError(ShimError):
 
 class BackendDisagreementError(ShimError):
     """The wrapped processor allows a token the controller's masker forbids."""
+
+
+@dataclass(frozen=True)
+class IncompleteSample:
+    """A row that stopped (``max_new_tokens``) before the grammar accepted: not an output.
+
+    Wrappers return it in place of the row's text, so a cut-off sample is never passed off as
+    grammatical output; ``text`` is what was generated, for inspection."""
+
+    row: int
+    text: str
+    token_ids: tuple[int, ...]
+    reason: str
+
+    def __str__(self) -> str:
+        return f"<incomplete sample, row {self.row}: {self.reason}; text {self.text!r}>"
 
 
 class ShimWarning(UserWarning):
@@ -118,6 +139,43 @@ def bind_controller(controller: ControllerLike, masker: Masker, *,
     return fitted
 
 
+def check_model(manifest: Mapping[str, Any], model, lm=None,
+                where: str = "<controller manifest>") -> None:
+    """Refuse a controller fitted with another LM than ``model``, the one the wrapper runs.
+
+    With ``lm`` (a :class:`~shim_adapters.lm.LoadedLM`, whose identifier and revision
+    :func:`bind_controller` checks) ``lm.model`` must be ``model`` itself. Without it the
+    revision is recomputed as :func:`~shim_adapters.lm.load_lm` computes it, a sha256 over the
+    weights files in the model's directory (``config._name_or_path``); a model loaded from
+    elsewhere cannot be identified, so it is refused until ``lm=`` is passed.
+    """
+    from .errors import ManifestMismatchError
+
+    if lm is not None:
+        if getattr(lm, "model", None) is not model:
+            raise ValueError(f"lm= ({getattr(lm, 'identifier', lm)!r}) is not the model the "
+                             f"wrapper runs ({type(model).__name__} from "
+                             f"{getattr(getattr(model, 'config', None), '_name_or_path', '?')!r})")
+        return
+    revision = manifest.get("lm_revision")
+    if revision is None:
+        return  # the controller was fitted without recording its LM
+    from .lm import _WEIGHT_SUFFIXES, _content_hash
+
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    directory = Path(source)
+    weights = (sorted(p for p in directory.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+               if source and directory.is_dir() else [])
+    if not weights:
+        raise ShimError(f"cannot tell which LM the wrapper runs ({source!r} is no local model "
+                        f"directory with weights), so it cannot check it is the one the "
+                        f"controller was fitted with ({manifest.get('lm_identifier')!r}): pass "
+                        f"lm=load_lm(...)")
+    found = _content_hash(weights)
+    if found != revision:
+        raise ManifestMismatchError("lm_revision", found, revision, where)
+
+
 # ---- the shared wrapper ----------------------------------------------------------------------
 class ShimWrapper(MaskedLogitsProcessor):
     """A ``LogitsProcessor``: optional backend processor, then SHIM over its allowed tokens.
@@ -145,6 +203,7 @@ class ShimWrapper(MaskedLogitsProcessor):
         self._bitmask = None
         self._eos_row = None
         self._warned_special: set[int] = set()
+        self._warned_utf8: set[int] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def reset(self, states: Sequence[MaskerState] | None = None) -> None:
@@ -204,6 +263,47 @@ class ShimWrapper(MaskedLogitsProcessor):
                     f"state: {state.describe()}")
             out.append(int(tokens[-1]))
         return out
+
+    # ---- results ------------------------------------------------------------------------
+    def outputs(self, sequences: torch.LongTensor) -> list[Union[str, IncompleteSample]]:
+        """The last ``generate`` call's outputs, one per row: the text of a row that ended in
+        EOS (or whose text the grammar accepts), an :class:`IncompleteSample` otherwise.
+
+        ``sequences``: what ``generate`` returned (prompt + generated ids). The tokens the
+        processor never saw (each row's last one) are fed to forks of the row states, so a
+        token the grammar forbids still raises."""
+        if self._prompt_length is None:
+            raise ValueError("the wrapper has not been called yet: run generate first")
+        if sequences.shape[0] != len(self.states):
+            raise ValueError(f"{sequences.shape[0]} sequences for {len(self.states)} rows")
+        eos = set(self.masker.eos_token_ids)
+        out: list[Union[str, IncompleteSample]] = []
+        for row, (state, tokens) in enumerate(zip(self.states,
+                                                  sequences[:, self._prompt_length:].tolist())):
+            history = len(state.token_ids)
+            if tokens[:history] != list(state.token_ids):
+                raise UnsupportedDecodingError(f"row {row}: the sequences do not continue the "
+                                               f"tokens its state consumed")
+            final = state.fork()
+            for token in tokens[history:]:
+                if final.is_finished:
+                    break  # transformers pads finished rows
+                final.advance(token)
+            ids = tuple(t for t in final.token_ids if t not in eos)
+            text = self.masker.decode(ids)
+            if final.is_finished or final.eos_allowed():
+                out.append(text)
+            else:
+                out.append(IncompleteSample(
+                    row=row, text=text, token_ids=ids,
+                    reason=f"stopped after {len(ids)} tokens before the grammar accepted "
+                           f"(max_new_tokens reached?); state: {final.describe()}"))
+        return out
+
+    def incomplete_rows(self, sequences: torch.LongTensor) -> list[int]:
+        """Rows of the last ``generate`` call that stopped before the grammar accepted."""
+        return [i for i, o in enumerate(self.outputs(sequences))
+                if isinstance(o, IncompleteSample)]
 
     # ---- the call -----------------------------------------------------------------------
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
@@ -282,6 +382,10 @@ class ShimWrapper(MaskedLogitsProcessor):
             extra &= ~special
         if not bool(extra.any()):
             return
+        self._mask_broken_utf8(extra)
+        self._mask_known_overreach(extra)
+        if not bool(extra.any()):
+            return
         row = int(torch.nonzero(extra.any(dim=1))[0, 0])
         state = self.states[row]
         ids = torch.nonzero(extra[row])[:, 0].tolist()
@@ -293,6 +397,47 @@ class ShimWrapper(MaskedLogitsProcessor):
             f"one the controller was fitted for (or the processor stopped constraining)"
             f"; refusing to continue. State: {state.describe()}")
 
+    def _token_bytes(self) -> list:
+        cached = getattr(self, "_bytes_cache", None)
+        if cached is None:
+            from .conformance.vocab import Vocabulary
+
+            cached = Vocabulary(self.masker.tokenizer, self.masker.vocab_size).token_bytes
+            self._bytes_cache = cached
+        return cached
+
+    def _mask_broken_utf8(self, extra: torch.Tensor) -> None:
+        """Drop from ``extra`` (in place) the byte tokens that would make a row's output
+        invalid UTF-8 for ever, with one :class:`ShimWarning` per token id.
+
+        Backends that match grammars over strings let them through: outlines' vocabulary
+        reads every partial-UTF-8 token as U+FFFD (one valid character), SynCode's byte DFAs
+        pass unknown bytes inside a string. No continuation of such a row is text, so masking
+        them keeps every valid output; what a backend allows beyond that is still refused."""
+        table = self._token_bytes()
+        broken: list[int] = []
+        for row in torch.nonzero(extra.any(dim=1))[:, 0].tolist():
+            done = [table[t] for t in self.states[row].token_ids if t < len(table) and table[t]]
+            pending = incomplete_tail(b"".join(done[-3:]))
+            for token_id in torch.nonzero(extra[row])[:, 0].tolist():
+                data = table[token_id]
+                if data and not utf8_prefix_ok(pending + data):
+                    extra[row, token_id] = False
+                    broken.append(token_id)
+        new = sorted(set(broken) - self._warned_utf8)
+        if new:
+            self._warned_utf8.update(new)
+            shown = ", ".join(f"{t} ({table[t]!r})" for t in new[:8])
+            warnings.warn(
+                f"the wrapped {self.masker.backend_name} processor allows {len(new)} byte "
+                f"token(s) where they make the output invalid UTF-8 for ever ({shown}"
+                f"{', ...' if len(new) > 8 else ''}); they are masked",
+                ShimWarning, stacklevel=4)
+
+    def _mask_known_overreach(self, extra: torch.Tensor) -> None:
+        """Hook: drop from ``extra`` (in place, with a warning) the tokens a documented bug of
+        the wrapped processor lets through where the controller's masker is right."""
+
     def _check_not_empty(self, scores: torch.FloatTensor) -> None:
         empty = torch.isneginf(scores).all(dim=1)
         if bool(empty.any()):
@@ -303,16 +448,30 @@ class ShimWrapper(MaskedLogitsProcessor):
 
 def shim_logits_processor(masker: Masker, controller: ControllerLike,
                           batch_size: int | None = None, *,
-                          manifest: Mapping[str, Any] | None = None, lm=None) -> ShimWrapper:
+                          manifest: Mapping[str, Any] | None = None, lm=None,
+                          model=None) -> ShimWrapper:
     """A ``LogitsProcessor`` for ``model.generate(..., logits_processor=[...])``.
 
     Masks with ``masker`` (one state per row, created at the first call) and adds SHIM's
     correction. ``batch_size`` (prompts x num_return_sequences) makes a mismatch, e.g. beam
     search, fail at the first call; ``None`` takes the batch size from the first call. Call
-    ``reset()`` between ``generate`` calls.
+    ``reset()`` between ``generate`` calls; ``outputs(sequences)`` reports rows cut off
+    before the grammar accepted. ``model`` (the one ``generate`` runs) is checked against
+    the LM the controller was fitted with (:func:`check_model`).
     """
     fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
+    if model is not None:
+        check_model(controller_manifest_of(controller, manifest), model, lm)
     return ShimWrapper(masker, fitted, batch_size=batch_size)
+
+
+def controller_manifest_of(controller: ControllerLike,
+                           manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`controller_manifest`, or ``{}`` for a bare controller (refused elsewhere)."""
+    try:
+        return controller_manifest(controller, manifest)
+    except ValueError:
+        return {}
 
 
 def refuse_beam_search(inference_kwargs: Mapping[str, Any], model=None) -> None:

@@ -29,8 +29,9 @@ from outlines.processors.base_logits_processor import OutlinesLogitsProcessor
 from shim_adapters.errors import VocabMismatchError
 from shim_adapters.grammar import Grammar
 from shim_adapters.protocol import Masker
-from shim_adapters.wrap import (ControllerLike, ShimWrapper, bind_controller,
-                                controller_manifest, grammar_of_manifest, refuse_beam_search)
+from shim_adapters.wrap import (ControllerLike, IncompleteSample, ShimWrapper,
+                                bind_controller, check_model, controller_manifest,
+                                grammar_of_manifest, refuse_beam_search)
 
 from .plugin import create_masker
 
@@ -54,22 +55,66 @@ class ShimOutlinesProcessor(OutlinesLogitsProcessor):
         return self.shim(input_ids, logits)
 
 
+class _LastIds:
+    """A stopping criterion that never stops: it keeps the latest ids, including each row's
+    last token, which no logits processor sees."""
+
+    def __init__(self):
+        self.ids = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.ids = input_ids
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class ShimGenerator(SteerableGenerator):
-    """A SteerableGenerator that refuses beam search (rows would be reordered)."""
+    """A SteerableGenerator that refuses beam search (rows would be reordered) and returns an
+    :class:`~shim_adapters.wrap.IncompleteSample` in place of any row cut off (by
+    ``max_new_tokens``) before the grammar accepted: such text is never returned as output."""
 
     wrapped: SteerableGenerator
 
     def __call__(self, prompt: Any, **inference_kwargs) -> Any:
         refuse_beam_search(inference_kwargs, getattr(self.model, "model", None))
-        return super().__call__(prompt, **inference_kwargs)
+        tracker = self._track(inference_kwargs)
+        return self._report(super().__call__(prompt, **inference_kwargs), tracker)
 
     def batch(self, prompts: List[Any], **inference_kwargs) -> List[Any]:
         refuse_beam_search(inference_kwargs, getattr(self.model, "model", None))
-        return super().batch(prompts, **inference_kwargs)
+        tracker = self._track(inference_kwargs)
+        return self._report(super().batch(prompts, **inference_kwargs), tracker)
 
     def stream(self, prompt: Any, **inference_kwargs) -> Iterator[Any]:
         refuse_beam_search(inference_kwargs, getattr(self.model, "model", None))
         return super().stream(prompt, **inference_kwargs)
+
+    @staticmethod
+    def _track(inference_kwargs: dict) -> _LastIds:
+        from transformers import StoppingCriteriaList
+
+        tracker = _LastIds()
+        criteria = StoppingCriteriaList(inference_kwargs.get("stopping_criteria") or [])
+        criteria.append(tracker)
+        inference_kwargs["stopping_criteria"] = criteria
+        return tracker
+
+    def _report(self, result: Any, tracker: _LastIds) -> Any:
+        """Outlines' outputs, each row cut off before acceptance replaced by its report."""
+        shim = self.logits_processor.shim
+        if tracker.ids is None:  # generate made no step
+            return result
+        reports = shim.outputs(tracker.ids)
+        flat = iter(range(len(reports)))
+
+        def replace(item):
+            if isinstance(item, list):
+                return [replace(x) for x in item]
+            row = next(flat)
+            return reports[row] if isinstance(reports[row], IncompleteSample) else item
+
+        return replace(result)
 
 
 def _grammar_for(inner, found: Mapping[str, Any], grammar: Grammar | None) -> Grammar:
@@ -89,9 +134,21 @@ def _grammar_for(inner, found: Mapping[str, Any], grammar: Grammar | None) -> Gr
                     f"xgrammar.contrib.hf with shim_xgrammar.wrap.with_shim")
 
 
-def _check_cfg_text(inner, masker: Masker) -> None:
+def _check_cfg_text(inner, masker: Masker, outlines_model=None) -> None:
+    """The generator's grammar must be the controller's: the CFG text for llguidance; for
+    outlines_core, its index must equal the one outlines builds from the masker's regex."""
     from outlines.backends.llguidance import LLGuidanceLogitsProcessor
+    from outlines.backends.outlines_core import (OutlinesCoreBackend,
+                                                 OutlinesCoreLogitsProcessor)
 
+    if isinstance(inner, OutlinesCoreLogitsProcessor) and outlines_model is not None:
+        regex = getattr(masker, "regex", None)
+        rebuilt = OutlinesCoreBackend(outlines_model).get_regex_logits_processor(regex).index
+        if rebuilt != inner.index:
+            raise ValueError(f"the generator's regex / JSON schema is not the grammar the "
+                             f"controller was fitted for ({masker.grammar.name!r}, regex "
+                             f"{regex[:80]!r}): their outlines_core indexes differ")
+        return
     if not isinstance(inner, LLGuidanceLogitsProcessor):
         return
     import llguidance
@@ -116,7 +173,11 @@ def with_shim(generator: SteerableGenerator, controller: ControllerLike, *,
 
     ``generator`` must come from ``outlines.Generator(outlines.from_transformers(model,
     tokenizer), output_type)``. Raises ManifestMismatchError for a controller fitted for another
-    backend, grammar or tokenizer; TypeError for a generator without a supported processor.
+    backend, grammar, tokenizer or LM (the generator's model is checked against the manifest's
+    ``lm_revision``, see :func:`shim_adapters.wrap.check_model`); ValueError when the
+    generator's grammar is not the controller's; TypeError for a generator without a supported
+    processor. The wrapped generator returns an IncompleteSample for a row cut off before the
+    grammar accepted.
     """
     from outlines.models.transformers import Transformers
 
@@ -140,7 +201,8 @@ def with_shim(generator: SteerableGenerator, controller: ControllerLike, *,
                                  f"({len(tokenizer)})")
     masker = create_masker(_grammar_for(inner, found, grammar), tokenizer, width)
     fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
-    _check_cfg_text(inner, masker)
+    check_model(found, generator.model.model, lm)
+    _check_cfg_text(inner, masker, generator.model)
     wrapped = ShimGenerator.from_processor(generator.model,
                                            ShimOutlinesProcessor(inner, masker, fitted))
     wrapped.wrapped = generator

@@ -20,6 +20,7 @@ import numpy as np
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError, VocabMismatchError
 from shim_adapters.grammar import Grammar
 from shim_adapters.tokenizer_identity import TokenizerIdentity
+from shim_adapters.utf8 import utf8_prefix_ok
 
 from ._syncode_import import syncode_modules, syncode_version
 from .frontier_parser import GrammarTables
@@ -349,37 +350,3 @@ def _line_of_terminal(text: str, message: str) -> int | None:
             if pattern.search(line):
                 return number
     return None
-
-
-#: Well-formed UTF-8 (Unicode Table 3-7): lead byte range -> ranges of the bytes after it.
-_UTF8_FORMS = (
-    ((0x00, 0x7F), ()),
-    ((0xC2, 0xDF), ((0x80, 0xBF),)),
-    ((0xE0, 0xE0), ((0xA0, 0xBF), (0x80, 0xBF))),
-    ((0xE1, 0xEC), ((0x80, 0xBF), (0x80, 0xBF))),
-    ((0xED, 0xED), ((0x80, 0x9F), (0x80, 0xBF))),
-    ((0xEE, 0xEF), ((0x80, 0xBF), (0x80, 0xBF))),
-    ((0xF0, 0xF0), ((0x90, 0xBF), (0x80, 0xBF), (0x80, 0xBF))),
-    ((0xF1, 0xF3), ((0x80, 0xBF), (0x80, 0xBF), (0x80, 0xBF))),
-    ((0xF4, 0xF4), ((0x80, 0x8F), (0x80, 0xBF), (0x80, 0xBF))),
-)
-
-
-def utf8_prefix_ok(data: bytes) -> bool:
-    """Whether ``data`` is well-formed UTF-8 up to a possibly unfinished last character that
-    some bytes can still complete (surrogates and overlongs are rejected even when cut off)."""
-    i, n = 0, len(data)
-    while i < n:
-        lead = data[i]
-        for (lo, hi), rest in _UTF8_FORMS:
-            if lo <= lead <= hi:
-                break
-        else:
-            return False
-        for k, (lo, hi) in enumerate(rest, start=1):
-            if i + k >= n:
-                return True  # cut off inside a character that can still be completed
-            if not lo <= data[i + k] <= hi:
-                return False
-        i += 1 + len(rest)
-    return True

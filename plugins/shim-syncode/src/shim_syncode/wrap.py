@@ -20,12 +20,13 @@ controller's manifest by sha256.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import torch
 
 from shim_adapters.grammar import Grammar
-from shim_adapters.wrap import (ControllerLike, ShimWrapper, bind_controller,
+from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, bind_controller,
                                 controller_manifest)
 
 from .masker import SyncodeMasker
@@ -38,6 +39,7 @@ class ShimSyncodeProcessor(ShimWrapper):
                  batch_size: int | None = None):
         super().__init__(masker, controller, batch_size=batch_size, backend=self._call_inner)
         self.inner = syncode_processor
+        self._warned_tabs: set[int] = set()
 
     def _call_inner(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
                     ) -> torch.FloatTensor:
@@ -45,6 +47,24 @@ class ShimSyncodeProcessor(ShimWrapper):
 
     def _reset_backend(self) -> None:
         self.inner.reset()
+
+    def _mask_known_overreach(self, extra: torch.Tensor) -> None:
+        """SynCode's store checks tokens with each tab read as four spaces (an indentation
+        shortcut), so it allows a raw tab inside a JSON string; the plugin decides tab tokens
+        on their real bytes. Those are masked with one warning, never sampled."""
+        tabs = torch.from_numpy(self.masker.compiled.tab_tokens).to(extra.device)
+        n = len(tabs)
+        hit = extra[:, :n] & tabs
+        if not bool(hit.any()):
+            return
+        extra[:, :n] &= ~tabs
+        ids = sorted(set(torch.nonzero(hit)[:, 1].tolist()) - self._warned_tabs)
+        if ids:
+            self._warned_tabs.update(ids)
+            shown = ", ".join(f"{t} ({self.masker.token_text(t)!r})" for t in ids[:8])
+            warnings.warn(f"SynCode's processor allows tab token(s) {shown} that the grammar "
+                          f"forbids (its mask store reads a tab as four spaces); they are "
+                          f"masked", ShimWarning, stacklevel=4)
 
 
 def _processor_grammar(syncode_processor, manifest: Mapping[str, Any]) -> Grammar:
