@@ -602,3 +602,19 @@ def test_spider_smollm2_outputs_are_accepted(benchmark_data):
     assert state.allowed_mask()[three]
     state.advance(three)
     assert state._parser.would_accept(b"a) FROM t")
+
+
+def test_mask_store_build_shows_a_labelled_progress_bar(shipped_lm, capsys):
+    """SynCode's own bar is unlabelled; ours names the grammar and the vocabulary size, and
+    SynCode's module is left as it was."""
+    from shim_syncode._syncode_import import syncode_modules
+    from shim_syncode.compiled import compile_grammar
+
+    module = syncode_modules()["syncode.mask_store.mask_store"]
+    before = module.tqdm
+    grammar = Grammar('start: "p" NUM\nNUM: /[0-9]+/\n', "lark", name="progress-probe")
+    compile_grammar(grammar, shipped_lm.tokenizer, lexing="basic")
+    err = capsys.readouterr().err
+    assert f"SynCode mask store for grammar 'progress-probe' ({len(shipped_lm.tokenizer)} " \
+           f"tokens)" in err
+    assert module.tqdm is before

@@ -9,6 +9,7 @@ nothing is written to disk and nothing is unpickled.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -149,8 +150,15 @@ def _build(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey) -> Compil
                                  started, force=key.lexing == "dynamic")
         if dynamic is not None:
             return dynamic
+    store_module = mods["syncode.mask_store.mask_store"]
+    unlabelled = store_module.tqdm
+    # SynCode's mask-store build (seconds to minutes at 50k+ tokens) shows an unlabelled bar:
+    # name what is being built while it runs
+    store_module.tqdm = functools.partial(
+        unlabelled, desc=f"SynCode mask store for grammar {grammar.name!r} "
+                         f"({len(vocab)} tokens)", unit="DFA state")
     try:
-        store = mods["syncode.mask_store.mask_store"].MaskStore(
+        store = store_module.MaskStore(
             base_parser.terminals, tokenizer, simplifications={}, indent=False,
             mode=MASK_STORE_MODE, ignore_terminals=base_parser.ignore_tokens,
             parse_table=base_parser.parser.parser._parse_table)
@@ -158,6 +166,8 @@ def _build(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey) -> Compil
         raise UnsupportedGrammarError(f"SynCode cannot build terminal DFAs: {exc}",
                                       grammar_name=grammar.name,
                                       line=_line_of_terminal(lark_text, str(exc))) from exc
+    finally:
+        store_module.tqdm = unlabelled
     tables = GrammarTables.build(base_parser, store._fsms)
     byte_tok = store.byte_tokenizer
     token_bytes = [byte_tok.vocab_byte.get(i, b"") for i in range(len(vocab))]
