@@ -45,19 +45,16 @@ def _p_valid_estimate(log_ratio_totals: np.ndarray, valid: np.ndarray) -> float:
     return float(w.mean()) if len(w) else float("nan")
 
 
-def choose_target(lm, masker, prefilled, n_samples: int, *, rounds: int = 1,
-                  max_new_tokens: int = 128, seed: int = 0, batch_size: int = 64
-                  ) -> tuple[str, dict[str, Any]]:
+def choose_target() -> tuple[str, dict[str, Any]]:
     """``target="auto"``: soft rollout labels in every regime measured so far.
 
     The evidence (``reports/fast-targets-*``, shipped LM, N = 1,000, language KL of LR_FULL):
     where valid draws are plentiful (P(L) 0.5-0.67) rollout labels match the paper's final
     labels (binary5 0.044 vs 0.044, bv4 0.058 vs 0.060, json 0.080 vs 0.094, sql 0.075 vs
-    0.081 nats); where they are rare (SmolLM2, P(L) 0.5-2%) final labels fall back to masking
+    0.081 nats); where they are rare (SmolLM2, P(L) 0.5-9%) final labels fall back to masking
     and rollout labels cut the KL several-fold (``reports/smollm2-matrix``). So no probe is
     spent on the choice; P(L) is estimated afterwards from the rollouts themselves (mean of
     ∏ Z, unbiased) and recorded. ``target="final"`` stays available."""
-    del lm, masker, prefilled, n_samples, rounds, max_new_tokens, seed, batch_size
     return "rollout", {"target_reason": (
         "auto: rollout labels (every row of a masked rollout labelled by ∏ Z of its suffix); "
         "measured at least as good as final-validity labels where valid draws are plentiful "
@@ -70,15 +67,16 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                    target: str = "auto", rounds: int = 1, round_proposal: str = "defensive",
                    defensive: float = 0.5, chat: bool = False,
                    stop_at_newline: bool | str = "auto", bootstrap_rounds: int = 1,
-                   batch_size: int = 64, prefilled=None, **controller_params) -> tuple[Any, dict[str, Any]]:
+                   batch_size: int = 64, prefilled=None, **controller_params
+                   ) -> tuple[Any, dict[str, Any]]:
     """Sample training data (unless ``data`` is given), fit a controller, build its manifest.
 
     ``lm`` is a :class:`shim_adapters.lm.LoadedLM`; ``prompt`` defaults to the grammar's
     built-in prompt. ``target``: ``"auto"`` (see the module docstring), ``"final"``,
     ``"rollout"`` or ``"bootstrap"`` (:mod:`shim_adapters.targets`). ``data`` (round 1's
     completions) and ``prefilled`` (the prompt's prefill, on the LM view to use) let a caller
-    share one draw between controllers. ``rounds``: iterated
-    refits within the same total budget of ``n_samples`` LM samples (rollout target only).
+    share one draw between controllers. ``rounds``: iterated refits within the same total
+    budget of ``n_samples`` LM samples (rollout target only).
     ``chat``: apply the tokenizer's chat template to the prompt. ``stop_at_newline``:
     ``"auto"`` (probe), True or False. With ``output_dir`` the artefact is also written there
     (and the returned manifest is the one on disk, checksums included). When the correction
@@ -90,7 +88,7 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
     from .evaluation.lm_views import stop_folded
     from .prompting import detect_line_answers, render_prompt
     from .sampling import prefill
-    from .targets import make_targets
+    from .targets import completion_log_ratio, make_targets
     from .training_data import concat_training_data, sample_training_data
 
     if target not in FIT_TARGETS:
@@ -151,9 +149,7 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
             else "rollout")
         training["target_reason"] = "given data" if target == "auto" else "asked for"
     elif target == "auto":
-        chosen, info = choose_target(lm, masker, pre, n_samples, rounds=rounds,
-                                     max_new_tokens=max_new_tokens, seed=seed,
-                                     batch_size=batch_size)
+        chosen, info = choose_target()
         training.update(info)
     else:
         chosen = target
@@ -167,8 +163,6 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
         data = draw(per_round[0], "lm" if chosen == "final" else "masked", seed)
     elif rounds > 1 and data.n_completions != per_round[0]:
         per_round[0] = data.n_completions
-    from .targets import completion_log_ratio
-
     training["p_valid_estimate"] = _p_valid_estimate(completion_log_ratio(data), data.valid)
     targets = make_targets(chosen, data, new, rounds=bootstrap_rounds)
     if targets.data.n_rows == 0:

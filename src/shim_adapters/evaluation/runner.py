@@ -361,9 +361,7 @@ def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions
     n_train = opts.n_train or opts.n_samples
     target, target_info = opts.target, {"target_reason": "asked for"}
     if target == "auto":
-        target, target_info = choose_target(lm, masker, pre, n_train, rounds=opts.rounds,
-                                            max_new_tokens=max_new, seed=opts.seed + 1,
-                                            batch_size=opts.batch_size)
+        target, target_info = choose_target()
     first = n_train // opts.rounds + n_train % opts.rounds
     t0 = time.perf_counter()
     data = sample_training_data(lm, masker, pre.prompt, first, max_new_tokens=max_new,
