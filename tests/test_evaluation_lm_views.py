@@ -10,7 +10,7 @@ import torch
 
 from shim_adapters.sampling import prefill, sample
 from shim_adapters.evaluation.lm_views import (gqa_without_copies, newline_token_ids,
-                                               prompt_cached, stop_folded)
+                                               stop_folded)
 from shim_adapters.evaluation.scoring import step_logprobs
 
 
@@ -61,12 +61,3 @@ def test_stop_folding_moves_newline_mass_onto_eos(shipped_lm):
     torch.testing.assert_close(q[others], p[others])
 
 
-def test_prompt_cache_returns_the_prompts_own_output(shipped_lm):
-    pre = prefill(shipped_lm, "Generate a JSON object:\n")
-    cached = prompt_cached(shipped_lm, pre)
-    out = cached.model(input_ids=pre.ids.expand(3, -1), use_cache=True)
-    assert out.logits.shape == (3, 1, shipped_lm.vocab_size)
-    torch.testing.assert_close(out.logits[2, -1], pre.last_logits)
-    # anything else goes to the real model
-    other = cached.model(input_ids=pre.ids[:, :2], use_cache=True)
-    assert other.logits.shape[1] == 2

@@ -60,12 +60,6 @@ def completion_log_ratio(data) -> np.ndarray:
                        minlength=data.n_completions)
 
 
-def completion_log_z(data) -> np.ndarray:
-    """Σ log Z over each completion's replayed rows (log ∏ Z along the completion)."""
-    return np.bincount(data.row_completion, weights=data.row_log_z.astype(np.float64),
-                       minlength=data.n_completions)
-
-
 def suffix_log_ratio(data) -> np.ndarray:
     """Per row: Σ log p/q over the *later* rows of its completion (0 at the last row)."""
     order = _row_order(data)

@@ -371,9 +371,8 @@ class ShimWrapper(MaskedLogitsProcessor):
         special = extra & self._special_ids().to(extra.device)
         if bool(special.any()):
             ids = sorted(set(torch.nonzero(special)[:, 1].tolist()))
-            new = [i for i in ids if i not in self._warned_special]
+            new = _first_time(self._warned_special, ids)
             if new:
-                self._warned_special.update(new)
                 shown = ", ".join(f"{t} ({self.masker.token_text(t)!r})" for t in new[:8])
                 warnings.warn(
                     f"the wrapped {self.masker.backend_name} processor allows control token(s) "
@@ -424,9 +423,8 @@ class ShimWrapper(MaskedLogitsProcessor):
                 if data and not utf8_prefix_ok(pending + data):
                     extra[row, token_id] = False
                     broken.append(token_id)
-        new = sorted(set(broken) - self._warned_utf8)
+        new = _first_time(self._warned_utf8, broken)
         if new:
-            self._warned_utf8.update(new)
             shown = ", ".join(f"{t} ({table[t]!r})" for t in new[:8])
             warnings.warn(
                 f"the wrapped {self.masker.backend_name} processor allows {len(new)} byte "
@@ -491,3 +489,10 @@ def refuse_beam_search(inference_kwargs: Mapping[str, Any], model=None) -> None:
             "prompt_lookup_num_tokens") is not None:
         raise UnsupportedDecodingError("assisted / prompt-lookup decoding proposes several tokens "
                                        "per step; the wrapper needs one token per row per call")
+
+
+def _first_time(seen: set[int], token_ids) -> list[int]:
+    """The ids not warned about yet (sorted), now marked as warned: one warning per token."""
+    new = sorted(set(int(t) for t in token_ids) - seen)
+    seen.update(new)
+    return new

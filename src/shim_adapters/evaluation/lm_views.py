@@ -1,19 +1,18 @@
-"""Two views of a loaded LM that the evaluation needs; both delegate to the real model.
+"""Views of a loaded LM that the evaluation needs; they delegate to the real model.
 
 - :func:`stop_folded`: an LM whose "end of output" is EOS *or* any token containing a newline.
   Few-shot prompts (BV4, Spider) are answered on one line, after which an instruct LM rarely
   emits EOS but starts the next example. Folding every newline token's probability into one
   EOS id gives a proper LM (same probability of each one-line answer, ended by a newline or
   EOS) that masking, SHIM, ASAp and rejection all see alike, so the KL stays exact.
-- :func:`prompt_cached`: the prompt's KV cache computed once and reused whenever the model is
-  called on the prompt alone (training-data sampling re-runs the prompt per batch otherwise,
-  which costs minutes for a 2,000-token few-shot prompt on one CPU thread).
+- :func:`gqa_without_copies` / :func:`shared_prefix_cache`: grouped-query attention that reads
+  the KV cache in place, and one copy of the prompt's KV for a whole batch (the sampling
+  engine prefills a prompt once and shares it, see :mod:`shim_adapters.sampling`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
@@ -65,34 +64,6 @@ def stop_folded(lm, masker_eos_ids) -> object:
     model = StopFoldedModel(lm.model, stops, eos_id).eval()
     return dataclasses.replace(lm, model=model, eos_token_ids=(eos_id,),
                                identifier=f"{lm.identifier}+stop-at-newline")
-
-
-class PromptCachedModel(_Delegating):
-    """Calls on exactly the prompt (any batch size, no cache) reuse its prefilled cache."""
-
-    def __init__(self, inner, prefilled) -> None:
-        super().__init__(inner)
-        self.prefilled = prefilled
-        #: How many calls were answered from the cache (a silent miss would cost minutes).
-        self.hits = 0
-
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, **kwargs):
-        pre = self.prefilled
-        empty = past_key_values is None or past_key_values.get_seq_length() == 0
-        unmasked = attention_mask is None or bool(attention_mask.all())
-        if (empty and unmasked and input_ids is not None
-                and input_ids.shape[1] == pre.length and torch.equal(input_ids[0], pre.ids[0])
-                and bool((input_ids == input_ids[0]).all())):
-            b = input_ids.shape[0]
-            self.hits += 1
-            return SimpleNamespace(past_key_values=pre.cache(b),
-                                   logits=pre.last_logits.expand(b, 1, -1).clone())
-        return self.inner(input_ids=input_ids, past_key_values=past_key_values,
-                          attention_mask=attention_mask, **kwargs)
-
-
-def prompt_cached(lm, prefilled) -> object:
-    return dataclasses.replace(lm, model=PromptCachedModel(lm.model, prefilled).eval())
 
 
 # ---- grouped-query attention without copying the KV cache --------------------------------
