@@ -286,6 +286,7 @@ class Controller:
         self.heldout_kl_gain_ = gain
         self.heldout_kl_gain_se_ = se
         self.heldout_weight_ = total
+        self.heldout_best_beta_ = float(betas[best_b]) if len(betas) else float("nan")
         if not has_masking:
             self.falls_back_to_masking_ = False
             self.decision_ = "β grid has no 0: masking was not a candidate"
@@ -499,6 +500,7 @@ class Controller:
                                          else getattr(self, "heldout_score_best_", None)),
                 "heldout_kl_gain": getattr(self, "heldout_kl_gain_", None),
                 "heldout_kl_gain_se": getattr(self, "heldout_kl_gain_se_", None),
+                "heldout_best_beta": getattr(self, "heldout_best_beta_", None),
                 "heldout_effective_samples": getattr(self, "heldout_effective_samples_", None),
                 "falls_back_to_masking": getattr(self, "falls_back_to_masking_", None),
                 "decision": getattr(self, "decision_", None),

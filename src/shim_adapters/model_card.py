@@ -34,7 +34,10 @@ def summary_lines(manifest: Mapping[str, Any]) -> list[str]:
         f"training: {t.get('data_n_samples', t.get('n_completions'))} completions, "
         f"{_num(t.get('data_valid_fraction', t.get('valid_fraction')), '.1%')} valid, target "
         f"{t.get('target')}",
-        f"held-out KL gain over masking: {_num(gain)} ± {_num(se)} nats (β {_num(c.get('beta'))})",
+        (f"held-out KL gain over masking: none used (the best β, "
+         f"{_num(t.get('heldout_best_beta'))}, would gain {_num(gain)} ± {_num(se)} nats: "
+         f"not enough evidence)" if fell_back else
+         f"held-out KL gain over masking: {_num(gain)} ± {_num(se)} nats (β {_num(c.get('beta'))})"),
         "decision: " + ("falls back to plain masking (β = 0)" if fell_back else
                         "uses the correction") + (f" ({t['decision']})" if t.get("decision")
                                                    else ""),
