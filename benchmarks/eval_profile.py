@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--cut-draws", action="store_true",
                    help="stop an unconstrained draw at the first token the masker refuses")
-    p.add_argument("--target", default="final",
+    p.add_argument("--target", default="auto",
                    choices=("auto", "final", "rollout", "bootstrap"), help="SHIM training labels")
     p.add_argument("--rounds", type=int, default=1,
                    help="iterated refits on the controller's own rollouts (same budget)")
