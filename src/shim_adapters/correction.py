@@ -21,6 +21,9 @@ from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generati
 from .protocol import Masker, MaskerState
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+
+
 class ShimAdjuster:
     """log γ̂ (damped by the controller's β) for the allowed tokens of each row.
 
@@ -39,6 +42,7 @@ class ShimAdjuster:
         #: shared by every adjuster of this controller: warm across generate calls
         self.cache = shared_gamma_cache(controller, damped=damped, max_bytes=cache_bytes)
         self._index: dict[torch.device, torch.Tensor] = {}
+        self._scored_np = np.asarray(controller.scored_token_ids_, dtype=np.int64)
 
     def log_gamma(self, states: Sequence[MaskerState],
                   allowed: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -73,19 +77,29 @@ class ShimAdjuster:
             raise ValueError(f"{len(states)} states but {len(rows)} rows")
         if not len(states):
             return scores
-        entries = [self.cache.entry(s) for s in states]
-        index = self._scored_index(scores.device)
+        cache = self.cache
+        entries = cache.entries(states)
         batch = scores.shape[0]
-        if len(rows) == batch and all(r == i for i, r in enumerate(rows)):
-            delta = entries[0].delta.unsqueeze(0) if batch == 1 else torch.stack(
-                [e.delta for e in entries])
-        else:
+        if (len(states) == 1 and scores.device.type == "cpu" and not scores.requires_grad
+                and scores.dtype in _NUMPY_DTYPES):
+            # one row: numpy's fancy add on the logits' own memory (a torch call costs more
+            # than the work at this size)
+            entry = entries[0]
+            row = scores[rows[0]].numpy()
+            row[self._scored_np] += cache.table[entry.slot]
+            if exact:
+                row += entry.shared
+            return scores
+        index = self._scored_index(scores.device)
+        slots = torch.tensor([e.slot for e in entries], dtype=torch.long)
+        values = cache.table_tensor.index_select(0, slots)
+        if len(rows) != batch or any(r != i for i, r in enumerate(rows)):
             delta = torch.zeros((batch, len(index)), dtype=torch.float32)
-            delta[torch.as_tensor(list(rows), dtype=torch.long)] = torch.stack(
-                [e.delta for e in entries])
-        if delta.device != scores.device or delta.dtype != scores.dtype:
-            delta = delta.to(device=scores.device, dtype=scores.dtype)
-        scores.index_add_(1, index, delta)
+            delta.index_copy_(0, torch.as_tensor(list(rows), dtype=torch.long), values)
+            values = delta
+        if values.device != scores.device or values.dtype != scores.dtype:
+            values = values.to(device=scores.device, dtype=scores.dtype)
+        scores.index_add_(1, index, values)
         if exact:
             shared = torch.zeros(batch, dtype=torch.float32)
             shared[torch.as_tensor(list(rows), dtype=torch.long)] = torch.tensor(

@@ -172,6 +172,9 @@ class Masker(abc.ABC):
     #: Width of the model's logits (>= the tokenizer's vocabulary; the excess is padding).
     vocab_size: int
     eos_token_ids: frozenset[int]
+    #: Fingerprint fields added after artefacts were first written: the value an artefact
+    #: that lacks the field was written with (so it loads where that still holds).
+    legacy_fingerprint: Mapping[str, str] = {}
 
     @abc.abstractmethod
     def new_state(self) -> MaskerState:

@@ -132,7 +132,7 @@ class XGrammarMasker(Masker):
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None, *,
                  stop_token_ids: Sequence[int] | None = None,
-                 start_positions: str = "absolute", position_feature: bool = True):
+                 start_positions: str = "none", position_feature: bool = False):
         import xgrammar as xgr
 
         if grammar.format not in GRAMMAR_FORMATS:
@@ -167,6 +167,9 @@ class XGrammarMasker(Masker):
         #: far more often (γ cache hits) at the price of nesting depth.
         self.position_feature = bool(position_feature)
         self._position_free = start_positions == "none" and not position_feature
+        #: feature_key's readout: 0 the raw dump, 1 the dump without offsets, 2 the features
+        #: (the dump is not in the known format)
+        self._key_mode = 1 if self._position_free else 0
 
         #: Capability report: ("exact",) or what the Lark -> EBNF conversion lowered.
         self.conversion_notes: tuple[str, ...] = ("exact",)
@@ -192,6 +195,16 @@ class XGrammarMasker(Masker):
         probe = xgr.GrammarMatcher(self.compiled)
         if parse_internal_state(probe._debug_print_internal_state()) is None:
             self._use_fallback_features("at start")
+
+    #: Artefacts written before the feature key was recorded used absolute offsets.
+    legacy_fingerprint = {"xgrammar_features": "start_positions=absolute,position_feature=True"}
+
+    def fingerprint(self) -> dict[str, str]:
+        """The shared fields plus the feature readout: a controller fitted on absolute
+        offsets does not read position-free features (and vice versa)."""
+        return {**super().fingerprint(),
+                "xgrammar_features": f"start_positions={self.start_positions},"
+                                     f"position_feature={self.position_feature}"}
 
     def _prepare_fixup(self) -> None:
         """The few bitmask words XGrammar's fill gets wrong for us: control tokens (it lets
@@ -219,6 +232,7 @@ class XGrammarMasker(Masker):
                           f"({where}); parser_state is derived from the mask, lexer_state is "
                           "missing", RuntimeWarning, stacklevel=3)
             self.feature_status = dict(FALLBACK_FEATURES)
+            self._key_mode = 2
 
     @functools.cached_property
     def decoded_vocab(self) -> list[bytes]:
@@ -234,9 +248,22 @@ class XGrammarMasker(Masker):
         return f"rule{rule_id}"
 
 
-#: What a position-free feature key leaves out of XGrammar's dump: every byte offset.
-_POSITIONS = re.compile(r"There are \d+ steps|rule_start_pos=-?\d+")
-_STARTS = re.compile(r"rule_start_pos=(-?\d+)")
+def _position_free_key(dump: str) -> tuple:
+    """The dump without the step count and start offsets, and the offsets' rank (0 =
+    innermost) per item: they order parser_state. One split, no regex (hot path)."""
+    parts = dump.split("rule_start_pos=")
+    head = parts[0]
+    body = [head[head.find("Last step"):]]
+    starts = []
+    for part in parts[1:]:
+        comma = part.find(",")
+        starts.append(part[:comma])
+        body.append(part[comma:])
+    if len(starts) < 2:
+        return tuple(body), len(starts)
+    order = sorted(set(starts), key=int, reverse=True)
+    return tuple(body), tuple(order.index(p) for p in starts)
+
 
 _VIEW: list = [None, None]  # (tensor, its numpy view): the caller reuses one bitmask
 
@@ -292,18 +319,16 @@ class XGrammarState(MaskerState):
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def feature_key(self):
-        """XGrammar's raw state dump: it determines the features, and skips their parse."""
+        """XGrammar's raw state dump: it determines the features, and skips their parse
+        (position-free: the dump without its byte offsets, plus the offsets' rank order)."""
         if self._finished:
             return ("finished",)
-        if self.masker.feature_status["parser_state"] is not FeatureStatus.EXACT:
-            return super().feature_key()
-        dump = self._matcher._debug_print_internal_state()
-        if self.masker._position_free:
-            # offsets out; their order stays in (it orders parser_state, innermost first)
-            starts = [int(p) for p in _STARTS.findall(dump)]
-            order = {p: i for i, p in enumerate(sorted(set(starts), reverse=True))}
-            return _POSITIONS.sub("", dump), tuple(order[p] for p in starts)
-        return dump
+        masker = self.masker
+        if masker._key_mode == 0:
+            return self._matcher._debug_print_internal_state()
+        if masker._key_mode == 1:
+            return _position_free_key(self._matcher._debug_print_internal_state())
+        return super().feature_key()
 
     @property
     def step(self) -> int:
