@@ -80,15 +80,25 @@ class ShimAdjuster:
         cache = self.cache
         entries = cache.entries(states)
         batch = scores.shape[0]
-        if (len(states) == 1 and scores.device.type == "cpu" and not scores.requires_grad
-                and scores.dtype in _NUMPY_DTYPES):
-            # one row: numpy's fancy add on the logits' own memory (a torch call costs more
-            # than the work at this size)
-            entry = entries[0]
-            row = scores[rows[0]].numpy()
-            row[self._scored_np] += cache.table[entry.slot]
+        if scores.is_cpu and not scores.requires_grad and scores.dtype in _NUMPY_DTYPES:
+            # numpy on the logits' own memory: at these sizes a torch call costs more than
+            # the work (one fancy add at batch 1, one gather-add for a batch)
+            view = scores.numpy()
+            idx = self._scored_np
+            table = cache.table
+            if len(entries) == 1:
+                row = view[rows[0]]
+                row[idx] += table[entries[0].slot]
+            else:
+                values = table[[e.slot for e in entries]]
+                if len(rows) == batch and (isinstance(rows, range) and rows.start == 0
+                                           or all(r == i for i, r in enumerate(rows))):
+                    view[:, idx] += values
+                else:
+                    view[np.ix_(np.asarray(rows, dtype=np.intp), idx)] += values
             if exact:
-                row += entry.shared
+                shared = np.array([e.shared for e in entries], dtype=view.dtype)
+                view[np.asarray(rows, dtype=np.intp)] += shared[:, None]
             return scores
         index = self._scored_index(scores.device)
         slots = torch.tensor([e.slot for e in entries], dtype=torch.long)

@@ -206,6 +206,21 @@ class XGrammarMasker(Masker):
                 "xgrammar_features": f"start_positions={self.start_positions},"
                                      f"position_feature={self.position_feature}"}
 
+    @classmethod
+    def feature_options(cls, manifest: Mapping[str, object]) -> dict[str, object]:
+        """The ``start_positions`` / ``position_feature`` a manifest's controller was fitted
+        with (wrappers build their masker with them)."""
+        text = str(manifest.get("xgrammar_features",
+                                cls.legacy_fingerprint["xgrammar_features"]))
+        fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+        if (fields.get("start_positions") not in START_POSITION_MODES
+                or fields.get("position_feature") not in ("True", "False")):
+            raise ValueError(f"manifest field 'xgrammar_features' is {text!r}: expected "
+                             f"'start_positions=<{'|'.join(START_POSITION_MODES)}>,"
+                             f"position_feature=<True|False>'")
+        return {"start_positions": fields["start_positions"],
+                "position_feature": fields["position_feature"] == "True"}
+
     def _prepare_fixup(self) -> None:
         """The few bitmask words XGrammar's fill gets wrong for us: control tokens (it lets
         them through), logit padding, and EOS (allowed exactly when the matcher completes)."""
@@ -248,21 +263,20 @@ class XGrammarMasker(Masker):
         return f"rule{rule_id}"
 
 
+#: What a position-free key leaves out of XGrammar's dump: the step count and start offsets
+#: (captured, to rank them).
+_OFFSETS = re.compile(r"There are \d+ steps|rule_start_pos=(-?\d+)")
+
+
 def _position_free_key(dump: str) -> tuple:
     """The dump without the step count and start offsets, and the offsets' rank (0 =
-    innermost) per item: they order parser_state. One split, no regex (hot path)."""
-    parts = dump.split("rule_start_pos=")
-    head = parts[0]
-    body = [head[head.find("Last step"):]]
-    starts = []
-    for part in parts[1:]:
-        comma = part.find(",")
-        starts.append(part[:comma])
-        body.append(part[comma:])
+    innermost) per item: they order parser_state. One regex split (hot path)."""
+    parts = _OFFSETS.split(dump)
+    starts = parts[3::2]  # parts[1] is the header's (uncaptured) None
     if len(starts) < 2:
-        return tuple(body), len(starts)
+        return tuple(parts[::2]), len(starts)
     order = sorted(set(starts), key=int, reverse=True)
-    return tuple(body), tuple(order.index(p) for p in starts)
+    return tuple(parts[::2]), tuple([order.index(p) for p in starts])
 
 
 _VIEW: list = [None, None]  # (tensor, its numpy view): the caller reuses one bitmask

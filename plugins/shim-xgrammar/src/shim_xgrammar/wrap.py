@@ -130,7 +130,8 @@ def with_shim(xgr_processor, controller: ControllerLike, *, tokenizer,
     found = controller_manifest(controller, manifest)
     info = xgr_processor.compiled_grammars[0].tokenizer_info
     masker = XGrammarMasker(grammar_of_manifest(found, grammar), tokenizer,
-                            vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids))
+                            vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids),
+                            **XGrammarMasker.feature_options(found))
     fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
     _check_same_compilation(xgr_processor, masker)
     if batch_size is None and len(xgr_processor.compiled_grammars) > 1:
