@@ -128,7 +128,7 @@ def test_cached_gamma_add_equals_log_gamma(setups):
 
 def test_gamma_cache_respects_its_memory_bound(setups):
     masker, _, ctrl = setups["bv4"]
-    per_entry = 4 * len(ctrl["LR_FULL"].scored_token_ids_)
+    per_entry = ShimAdjuster(ctrl["LR_FULL"]).cache.entry_bytes
     adj = ShimAdjuster(ctrl["LR_FULL"], cache_bytes=3 * (per_entry + 400))
     adj.cache.clear()
     states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(30)]

@@ -42,7 +42,6 @@ class ShimAdjuster:
         #: shared by every adjuster of this controller: warm across generate calls
         self.cache = shared_gamma_cache(controller, damped=damped, max_bytes=cache_bytes)
         self._index: dict[torch.device, torch.Tensor] = {}
-        self._scored_np = np.asarray(controller.scored_token_ids_, dtype=np.int64)
 
     def log_gamma(self, states: Sequence[MaskerState],
                   allowed: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -50,10 +49,10 @@ class ShimAdjuster:
                                                        damped=self.damped)
 
     def _scored_index(self, device: torch.device) -> torch.Tensor:
+        """The token id of each γ-cache table column, on ``device``."""
         index = self._index.get(device)
         if index is None:
-            index = self._index[device] = torch.from_numpy(
-                self.controller.scored_token_ids_).to(device)
+            index = self._index[device] = torch.from_numpy(self.cache.columns).to(device)
         return index
 
     def add_log_gamma_(self, scores: torch.Tensor, states: Sequence[MaskerState],
@@ -84,18 +83,26 @@ class ShimAdjuster:
             # numpy on the logits' own memory: at these sizes a torch call costs more than
             # the work (one fancy add at batch 1, one gather-add for a batch)
             view = scores.numpy()
-            idx = self._scored_np
             table = cache.table
+            dense, width = cache.dense, cache.width  # dense: columns are token ids 0..width-1
             if len(entries) == 1:
-                row = view[rows[0]]
-                row[idx] += table[entries[0].slot]
+                if dense:
+                    target = view[rows[0], :width]
+                    target += table[entries[0].slot]
+                else:
+                    row = view[rows[0]]
+                    row[cache.columns] += table[entries[0].slot]
             else:
                 values = table[[e.slot for e in entries]]
                 if len(rows) == batch and (isinstance(rows, range) and rows.start == 0
                                            or all(r == i for i, r in enumerate(rows))):
-                    view[:, idx] += values
+                    if dense:
+                        target = view[:, :width]
+                        target += values
+                    else:
+                        view[:, cache.columns] += values
                 else:
-                    view[np.ix_(np.asarray(rows, dtype=np.intp), idx)] += values
+                    view[np.ix_(np.asarray(rows, dtype=np.intp), cache.columns)] += values
             if exact:
                 shared = np.array([e.shared for e in entries], dtype=view.dtype)
                 view[np.asarray(rows, dtype=np.intp)] += shared[:, None]

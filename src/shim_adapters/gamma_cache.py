@@ -41,13 +41,14 @@ class GammaEntry:
     ``table[slot][i] = value(scored_token_ids[i]) - shared``. ``alive`` turns False when the
     entry is evicted (its slot is then reused): keys still pointing at it count as misses."""
 
-    __slots__ = ("slot", "shared", "ekey", "alive")
+    __slots__ = ("slot", "shared", "ekey", "alive", "used")
 
     def __init__(self, slot: int, shared: float, ekey: tuple[bytes, bytes]):
         self.slot = slot
         self.shared = shared
         self.ekey = ekey
         self.alive = True
+        self.used = False
 
 
 class GammaCache:
@@ -62,7 +63,15 @@ class GammaCache:
         groups = set(controller.encoder_.groups)
         #: LR_NT reads no state: one entry serves every step.
         self.state_free = not groups & {"state", "cross"}
-        self.width = len(controller.scored_token_ids_)
+        scored = np.asarray(controller.scored_token_ids_, dtype=np.int64)
+        span = int(scored.max()) + 1 if len(scored) else 1
+        #: Dense rows (token ids 0..width-1, one contiguous add) when that is not much wider
+        #: than the scored tokens alone; else one value per scored token (a gather-add).
+        self.dense = span <= max(4096, 4 * len(scored))
+        self.width = span if self.dense else len(scored)
+        #: The token id of each table column.
+        self.columns = np.arange(span, dtype=np.int64) if self.dense else scored
+        self._scored = scored
         self._row_bytes = 4 * self.width
         #: Per masker (by id; two maskers may read one dump differently): key -> entry.
         self._keys: dict[int, OrderedDict[Hashable, GammaEntry]] = {}
@@ -74,19 +83,25 @@ class GammaCache:
         self._table_t = torch.from_numpy(self._table)
         self._free: list[int] = list(range(3, -1, -1))
         self._constant: GammaEntry | None = None
-        self.hits = self.encoding_hits = self.misses = 0
+        self.lookups = self.encoding_hits = self.misses = 0
 
     # ---- lookup ----------------------------------------------------------------------------
     @property
     def table(self) -> np.ndarray:
-        """``(slots, len(scored_token_ids_))`` float32: row ``entry.slot`` is an entry's
-        values minus its shared value. Reallocated when it grows: index it after lookups."""
+        """``(slots, len(columns))`` float32: row ``entry.slot`` is an entry's values minus
+        its shared value at the token ids :attr:`columns`. Reallocated when it grows: index
+        it after lookups."""
         return self._table
 
     @property
     def table_tensor(self) -> torch.Tensor:
         """:attr:`table` as a CPU torch tensor (same memory)."""
         return self._table_t
+
+    @property
+    def entry_bytes(self) -> int:
+        """Memory charged per entry (its table row and bookkeeping; keys are extra)."""
+        return self._row_bytes + _ENTRY_OVERHEAD
 
     def entry(self, state: MaskerState) -> GammaEntry:
         """The correction at ``state`` (computed and stored on a miss)."""
@@ -97,6 +112,7 @@ class GammaCache:
         if self.state_free:
             return [self._constant_entry(s) for s in states]
         out = []
+        append = out.append
         keys_of = self._keys
         masker = keys = None
         for state in states:
@@ -109,16 +125,17 @@ class GammaCache:
             key = state.feature_key()
             hit = keys.get(key)
             if hit is not None and hit.alive:
-                self.hits += 1
                 keys.move_to_end(key)
-                self._by_encoding.move_to_end(hit.ekey)
-                out.append(hit)
+                hit.used = True  # second chance at eviction (CLOCK), cheaper than a move
+                append(hit)
                 continue
             if hit is None:
                 self._n_keys += 1
                 self._key_bytes += _size_of(key) + _KEY_OVERHEAD
             hit = keys[key] = self._lookup_encoded(state)
-            out.append(hit)
+            self._by_encoding.move_to_end(hit.ekey)
+            append(hit)
+        self.lookups += len(states)
         if len(self._by_encoding) > 1 and self._live_bytes() > self.max_bytes:
             self._evict(out)
         return out
@@ -129,8 +146,7 @@ class GammaCache:
             self._constant = self._store((b"", b""), shared, values)
             self._by_encoding[(b"", b"")] = self._constant
             self.misses += 1
-        else:
-            self.hits += 1
+        self.lookups += 1
         return self._constant
 
     def _lookup_encoded(self, state: MaskerState) -> GammaEntry:
@@ -152,7 +168,12 @@ class GammaCache:
         if not self._free:
             self._grow()
         slot = self._free.pop()
-        self._table[slot] = values - shared
+        if self.dense:
+            row = self._table[slot]
+            row[:] = 0.0
+            row[self._scored] = values - shared
+        else:
+            self._table[slot] = values - shared
         return GammaEntry(slot, float(shared), ekey)
 
     def _grow(self) -> None:
@@ -163,16 +184,22 @@ class GammaCache:
         self._table, self._table_t = table, torch.from_numpy(table)
 
     def _evict(self, keep: Sequence[GammaEntry]) -> None:
-        """Oldest entries first until the memory bound holds (those of the current step
-        stay); their keys are dropped when looked up again, the oldest keys when keys alone
+        """Oldest entries first, skipping once those hit since (CLOCK), until the memory
+        bound holds (those of the current step stay); their keys are dropped when looked up again, the oldest keys when keys alone
         exceed the bound. The table shrinks to the live slots when it is mostly free."""
         keep_ids = {id(e) for e in keep}
         encoding = self._by_encoding
         kept = []
+        second_chances = len(encoding)
         while encoding and self._live_bytes() > self.max_bytes:
             ekey, entry = encoding.popitem(last=False)
             if id(entry) in keep_ids:
                 kept.append((ekey, entry))
+                continue
+            if entry.used and second_chances > 0:  # hit since it was last looked at
+                entry.used = False
+                second_chances -= 1
+                encoding[ekey] = entry
                 continue
             entry.alive = False
             self._free.append(entry.slot)
@@ -190,8 +217,7 @@ class GammaCache:
             self._compact()
 
     def _live_bytes(self) -> int:
-        return (len(self._by_encoding) * (self._row_bytes + _ENTRY_OVERHEAD)
-                + self._key_bytes)
+        return len(self._by_encoding) * self.entry_bytes + self._key_bytes
 
     def _compact(self) -> None:
         """Move the live entries to a table just big enough for them."""
@@ -216,15 +242,16 @@ class GammaCache:
         self._table_t = torch.from_numpy(self._table)
         self._free = list(range(3, -1, -1))
         self._constant = None
-        self.hits = self.encoding_hits = self.misses = 0
+        self.lookups = self.encoding_hits = self.misses = 0
 
     def info(self) -> dict[str, float]:
         """Hit rates, sizes and memory (bytes: the slot table, entries and keys)."""
-        lookups = self.hits + self.encoding_hits + self.misses
-        return {"lookups": lookups, "hits": self.hits, "encoding_hits": self.encoding_hits,
+        lookups = self.lookups
+        hits = lookups - self.encoding_hits - self.misses
+        return {"lookups": lookups, "hits": hits, "encoding_hits": self.encoding_hits,
                 "misses": self.misses,
-                "hit_rate": self.hits / lookups if lookups else float("nan"),
-                "head_skip_rate": (self.hits + self.encoding_hits) / lookups if lookups
+                "hit_rate": hits / lookups if lookups else float("nan"),
+                "head_skip_rate": (hits + self.encoding_hits) / lookups if lookups
                 else float("nan"),
                 "keys": self._n_keys, "entries": len(self._by_encoding),
                 "bytes": self._live_bytes(), "table_bytes": self._table.nbytes,

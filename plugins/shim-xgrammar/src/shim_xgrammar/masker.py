@@ -170,6 +170,9 @@ class XGrammarMasker(Masker):
         #: feature_key's readout: 0 the raw dump, 1 the dump without offsets, 2 the features
         #: (the dump is not in the known format)
         self._key_mode = 1 if self._position_free else 0
+        #: raw dump -> position-free key: exact dumps recur too (bv4: 9 steps in 10), and a
+        #: lookup is cheaper than the reduction
+        self._key_memo: dict[str, tuple] = {}
 
         #: Capability report: ("exact",) or what the Lark -> EBNF conversion lowered.
         self.conversion_notes: tuple[str, ...] = ("exact",)
@@ -268,6 +271,10 @@ class XGrammarMasker(Masker):
 _OFFSETS = re.compile(r"There are \d+ steps|rule_start_pos=(-?\d+)")
 
 
+#: Bound on the raw-dump memo (cleared when full; a dump is a few hundred bytes).
+_KEY_MEMO_SIZE = 1 << 14
+
+
 def _position_free_key(dump: str) -> tuple:
     """The dump without the step count and start offsets, and the offsets' rank (0 =
     innermost) per item: they order parser_state. One regex split (hot path)."""
@@ -341,7 +348,14 @@ class XGrammarState(MaskerState):
         if masker._key_mode == 0:
             return self._matcher._debug_print_internal_state()
         if masker._key_mode == 1:
-            return _position_free_key(self._matcher._debug_print_internal_state())
+            dump = self._matcher._debug_print_internal_state()
+            memo = masker._key_memo
+            key = memo.get(dump)
+            if key is None:
+                if len(memo) >= _KEY_MEMO_SIZE:
+                    memo.clear()
+                key = memo[dump] = _position_free_key(dump)
+            return key
         return super().feature_key()
 
     @property
