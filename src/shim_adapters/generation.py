@@ -104,11 +104,15 @@ class MaskedLogitsProcessor(LogitsProcessor):
             only_eos[min(masker.eos_token_ids)] = True
             self._eos_row = torch.from_numpy(pack_mask(only_eos))
         bitmask = self._bitmask
+        words = bitmask.numpy()
+        eos_row = self._eos_row.numpy()
+        live = []
         for row, state in enumerate(self.states):
             if state.is_finished:
-                bitmask[row] = self._eos_row
+                words[row] = eos_row
             else:
-                state.fill_next_token_bitmask(bitmask, row)
+                live.append(row)
+        masker.fill_next_token_bitmasks([self.states[r] for r in live], bitmask, live)
         nonempty = rows_with_any(bitmask, masker.vocab_size)
         if not bool(nonempty.all()):
             row = int(torch.nonzero(~nonempty)[0, 0])

@@ -240,6 +240,27 @@ class XGrammarMasker(Masker):
         self._fix_keep = ~packed_clear[self._fix_words]
         self._fix_eos = packed_eos[self._fix_words]
 
+    def fill_next_token_bitmasks(self, states, bitmask, rows) -> None:
+        """XGrammar's fill per row, then the fix-ups of every row with two numpy ops."""
+        words = _numpy_view(bitmask)
+        live, completed = [], []
+        for row, state in zip(rows, states):
+            if state.masker is not self:  # another masker's state: its own fill
+                state.fill_next_token_bitmask(bitmask, row)
+                continue
+            if state._finished:
+                words[row] = 0
+                continue
+            state._fill_raw(bitmask, row)
+            live.append(row)
+            if state._matcher.is_completed():
+                completed.append(row)
+        if live:
+            fix = self._fix_words
+            words[np.ix_(live, fix)] &= self._fix_keep
+            if completed:
+                words[np.ix_(completed, fix)] |= self._fix_eos
+
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """XGrammar's own kernel (CPU and CUDA)."""
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
