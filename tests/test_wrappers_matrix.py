@@ -131,8 +131,10 @@ def _xgrammar_processor(lm, masker):
         compiled = compiler.compile_json_schema(grammar.text)
     elif grammar.format == "regex":
         compiled = compiler.compile_regex(grammar.text)
-    else:  # what the controller's masker compiled (Lark lowered to EBNF)
-        compiled = compiler.compile_grammar(str(masker.compiled.grammar))
+    else:  # the user lowers the Lark grammar to EBNF as the controller's masker did
+        from shim_adapters.grammar_convert import convert
+
+        compiled = compiler.compile_grammar(convert(grammar, "ebnf").grammar.text)
     return xgr.contrib.hf.LogitsProcessor(compiled)
 
 

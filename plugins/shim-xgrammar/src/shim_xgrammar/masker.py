@@ -239,6 +239,13 @@ class XGrammarMasker(Masker):
         self._fix_words = np.flatnonzero(packed_clear)
         self._fix_keep = ~packed_clear[self._fix_words]
         self._fix_eos = packed_eos[self._fix_words]
+        # the same as runs of consecutive words (padding and control tokens usually sit
+        # together): basic slices, far cheaper than fancy indexing for one row
+        fix = self._fix_words
+        breaks = np.flatnonzero(np.diff(fix) != 1) + 1
+        self._fix_runs = [(int(run[0]), int(run[-1]) + 1, ~packed_clear[run[0]:run[-1] + 1])
+                          for run in np.split(fix, breaks) if len(run)]
+        self._eos_words = [(int(w), packed_eos[w]) for w in np.flatnonzero(packed_eos)]
 
     def fill_next_token_bitmasks(self, states, bitmask, rows) -> None:
         """XGrammar's fill per row, then the fix-ups of every row with two numpy ops."""
@@ -255,11 +262,19 @@ class XGrammarMasker(Masker):
             live.append(row)
             if state._matcher.is_completed():
                 completed.append(row)
-        if live:
-            fix = self._fix_words
-            words[np.ix_(live, fix)] &= self._fix_keep
-            if completed:
-                words[np.ix_(completed, fix)] |= self._fix_eos
+        if not live:
+            return
+        first, last = live[0], live[-1] + 1
+        if last - first == len(live):  # consecutive rows: one slice op per run of words
+            for a, b, keep in self._fix_runs:
+                words[first:last, a:b] &= keep
+        else:
+            for row in live:
+                for a, b, keep in self._fix_runs:
+                    words[row, a:b] &= keep
+        for row in completed:
+            for w, bits in self._eos_words:
+                words[row, w] |= bits
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """XGrammar's own kernel (CPU and CUDA)."""
@@ -350,11 +365,11 @@ class XGrammarState(MaskerState):
             return
         self._fill_raw(bitmask, row)
         masker = self.masker
-        fix = masker._fix_words
+        for a, b, keep in masker._fix_runs:
+            words[a:b] &= keep
         if self._matcher.is_completed():
-            words[fix] = (words[fix] & masker._fix_keep) | masker._fix_eos
-        else:
-            words[fix] &= masker._fix_keep
+            for w, bits in masker._eos_words:
+                words[w] |= bits
 
     def _fill_raw(self, bitmask, row: int) -> None:
         """XGrammar's mask for this row, before the fix-ups."""
