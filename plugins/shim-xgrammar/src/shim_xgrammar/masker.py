@@ -226,11 +226,16 @@ class XGrammarMasker(Masker):
 
     def _prepare_fixup(self) -> None:
         """The few bitmask words XGrammar's fill gets wrong for us: control tokens (it lets
-        them through), logit padding, and EOS (allowed exactly when the matcher completes)."""
+        them through), logit padding it does not know as special, and EOS (allowed exactly
+        when the matcher completes)."""
         words = self._bitmask_shape[1]
         clear = np.zeros(words * 32, dtype=bool)
         clear[self._special_array] = True
         clear[self.tokenizer_size:] = True
+        # XGrammar never allows its own special tokens (padding among them): no fix-up there
+        never = np.array([i for i in self.compiled.tokenizer_info.special_token_ids
+                          if 0 <= i < words * 32 and i not in self.eos_token_ids], dtype=np.int64)
+        clear[never] = False
         clear[self._eos_array] = True
         eos = np.zeros(words * 32, dtype=bool)
         eos[self._eos_array] = True
