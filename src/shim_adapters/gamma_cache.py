@@ -21,6 +21,7 @@ one entry and skip the model head.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
@@ -73,9 +74,10 @@ class GammaCache:
         self.columns = np.arange(span, dtype=np.int64) if self.dense else scored
         self._scored = scored
         self._row_bytes = 4 * self.width
-        #: Per masker (by id; two maskers may read one dump differently): key -> entry.
-        self._keys: dict[int, OrderedDict[Hashable, GammaEntry]] = {}
-        self._maskers: dict[int, object] = {}  # held, so that an id is never reused
+        #: Per masker fingerprint (two maskers may read one dump differently): key -> entry;
+        #: ``_keys`` finds a masker's table (weakly: a wrapper's masker may come and go).
+        self._by_identity: dict[tuple, OrderedDict[Hashable, GammaEntry]] = {}
+        self._keys: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
         self._by_encoding: OrderedDict[tuple[bytes, bytes], GammaEntry] = OrderedDict()
         self._n_keys = 0
         self._key_bytes = 0
@@ -118,10 +120,9 @@ class GammaCache:
         for state in states:
             if state.masker is not masker:
                 masker = state.masker
-                keys = keys_of.get(id(masker))
+                keys = keys_of.get(masker)
                 if keys is None:
-                    keys = keys_of[id(masker)] = OrderedDict()
-                    self._maskers[id(masker)] = masker
+                    keys = keys_of[masker] = self._keys_for(masker)
             key = state.feature_key()
             hit = keys.get(key)
             if hit is not None and hit.alive:
@@ -139,6 +140,19 @@ class GammaCache:
         if len(self._by_encoding) > 1 and self._live_bytes() > self.max_bytes:
             self._evict(out)
         return out
+
+    def _keys_for(self, masker) -> "OrderedDict[Hashable, GammaEntry]":
+        """The key table of maskers with ``masker``'s fingerprint (same grammar, tokenizer,
+        width, backend version and feature readout read a state dump the same way), so a
+        wrapper built afresh per ``generate`` call finds its keys warm."""
+        try:
+            identity = tuple(sorted(masker.fingerprint().items()))
+        except Exception:  # a masker without a fingerprint: keys of its own
+            identity = ("masker", id(masker))
+        table = self._by_identity.get(identity)
+        if table is None:
+            table = self._by_identity[identity] = OrderedDict()
+        return table
 
     def _constant_entry(self, state: MaskerState) -> GammaEntry:
         if self._constant is None:
@@ -205,7 +219,7 @@ class GammaCache:
             self._free.append(entry.slot)
         for ekey, entry in kept:
             encoding[ekey] = entry
-        for keys in self._keys.values():
+        for keys in self._by_identity.values():
             while keys and self._live_bytes() > self.max_bytes:
                 key, entry = next(iter(keys.items()))
                 if id(entry) in keep_ids and entry.alive:
@@ -235,7 +249,7 @@ class GammaCache:
         for entry in self._by_encoding.values():
             entry.alive = False
         self._keys.clear()
-        self._maskers.clear()
+        self._by_identity.clear()
         self._by_encoding.clear()
         self._n_keys = self._key_bytes = 0
         self._table = np.zeros((4, self.width), dtype=np.float32)
