@@ -6,6 +6,8 @@ over the XGrammar masker, ``shim_xgrammar.wrap.with_shim`` around XGrammar's pro
 no processor (the LM's own cost). Every run follows the same path, sampled once per repeat
 with XGrammar's processor and forced after the processor under test (:class:`ForcePath`, the
 same cost in every run), so the runs do identical LM work and differ only in the processor.
+Before the timed runs of a path, one untimed SHIM run warms the γ cache on it (the steady state
+of a long run; ``--cold`` skips it, and then new states pay the γ miss).
 Time per token = generate wall time / tokens of the path (all rows, EOS once), best of
 ``--repeats``. The processor columns are the time inside each processor's calls (per token,
 best of the repeats), and the last ratios are (LM-only + processor) over the same for
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cold", dest="warm", action="store_false",
+                        help="do not warm the γ cache on each path before timing")
     parser.add_argument("--features", default="position-free",
                         choices=("position-free", "absolute"),
                         help="XGrammar feature readout (the default is position-free)")
@@ -129,6 +133,11 @@ def main() -> None:
                                       (controller, manifest), tokenizer=lm.tokenizer,
                                       grammar=grammar, batch_size=batch),
                 }
+                if args.warm:  # the γ cache warm on this path, as in a long run
+                    generate(lm, [ShimLogitsProcessor([masker.new_state()
+                                                       for _ in range(batch)], controller),
+                                  ForcePath(path, prompt_length)], enc, path.shape[1], eos,
+                             seed=rep)
                 for name, proc in procs.items():
                     force = ForcePath(path, prompt_length)
                     timed = None if proc is None else Timed(proc)
@@ -150,7 +159,7 @@ def main() -> None:
                   f"{inside['wrap'] * 1e6:.1f} | {est['shim'] / est['xgr']:.3f} | "
                   f"{est['wrap'] / est['xgr']:.3f} | {args.features} |", flush=True)
     print(f"\nbest of {args.repeats} repeats; {args.max_new_tokens} new tokens; torch threads "
-          f"= {torch.get_num_threads()}")
+          f"= {torch.get_num_threads()}; γ cache {'warm' if args.warm else 'cold'} on each path")
 
 
 if __name__ == "__main__":
