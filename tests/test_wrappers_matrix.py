@@ -56,6 +56,13 @@ WRAPPERS = ("transformers", "xgrammar", "syncode", "outlines")
 MASKER_BACKEND = {"transformers": "xgrammar", "xgrammar": "xgrammar", "syncode": "syncode",
                   "outlines": "outlines"}
 DEFAULT_CELL = ("qwen2.5", "json", "xgrammar")
+#: Found by this matrix (Qwen2.5, outlines, the schema): outputs like {"name": "SIL", "age":
+#: 9259976539289463257706} are generated and refused by the reference parser.
+OUTLINES_INTEGER_BOUNDS = pytest.mark.xfail(strict=True, reason=(
+    "outlines_core 0.2.14 drops JSON-schema integer bounds: build_regex_from_schema("
+    "'{\"type\": \"integer\", \"minimum\": 0, \"maximum\": 99}') == "
+    "'(-)?(0|[1-9][0-9]*)', so the outlines generator and the plugin's masker (same regex) "
+    "allow ages outside 0..99"))
 
 
 def _cells():
@@ -65,6 +72,8 @@ def _cells():
                 if wrapper == "syncode" and GRAMMARS[grammar]().format != "lark":
                     continue  # SynCode compiles Lark grammars only
                 marks = () if (tok, grammar, wrapper) == DEFAULT_CELL else (pytest.mark.slow,)
+                if wrapper == "outlines" and grammar == "person-schema":
+                    marks += (OUTLINES_INTEGER_BOUNDS,)
                 yield pytest.param(tok, grammar, wrapper, marks=marks,
                                    id=f"{tok}-{grammar}-{wrapper}")
 
