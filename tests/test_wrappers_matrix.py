@@ -58,7 +58,7 @@ MASKER_BACKEND = {"transformers": "xgrammar", "xgrammar": "xgrammar", "syncode":
 DEFAULT_CELL = ("qwen2.5", "json", "xgrammar")
 #: Found by this matrix (Qwen2.5, outlines, the schema): outputs like {"name": "SIL", "age":
 #: 9259976539289463257706} are generated and refused by the reference parser.
-OUTLINES_INTEGER_BOUNDS = pytest.mark.xfail(strict=True, reason=(
+OUTLINES_INTEGER_BOUNDS = pytest.mark.xfail(strict=False, reason=(  # an LM may stay in range
     "outlines_core 0.2.14 drops JSON-schema integer bounds: build_regex_from_schema("
     "'{\"type\": \"integer\", \"minimum\": 0, \"maximum\": 99}') == "
     "'(-)?(0|[1-9][0-9]*)', so the outlines generator and the plugin's masker (same regex) "
