@@ -71,7 +71,9 @@ def replay_texts(masker, texts: list[str], valid: np.ndarray) -> TrainingData:
         cut_step=np.full(n, -1, np.int32), texts=list(texts), states=states,
         row_completion=comp, row_step=r[:, 1].astype(np.int32), row_state=r[:, 2].astype(np.int32),
         row_token=r[:, 3].astype(np.int32), row_lm_logprob=r[:, 4].astype(np.float32),
-        row_log_z=r[:, 5].astype(np.float32), row_label=valid[comp].astype(np.float32),
+        row_log_z=r[:, 5].astype(np.float32),
+        row_proposal_logprob=r[:, 4].astype(np.float32),  # unconstrained LM proposals
+        row_label=valid[comp].astype(np.float32),
         allowed_offsets=ao, allowed_token_ids=ai, allowed_lm_logprobs=al,
         manifest={"eos_token_ids": sorted(masker.eos_token_ids)})
 

@@ -80,6 +80,15 @@ def test_every_backend_fills_exactly_its_allowed_mask(shipped_lm, backend, gramm
     for row, state in enumerate(states):
         np.testing.assert_array_equal(unpack_bitmask(bitmask[row], masker.vocab_size),
                                       state.allowed_mask(), err_msg=f"row {row}")
+    # the batched fill (XGrammar: fix-ups for all rows at once), on every other row only
+    batched = allocate_token_bitmask(len(states), masker.vocab_size)
+    rows = list(range(0, len(states), 2))
+    masker.fill_next_token_bitmasks([states[r] for r in rows], batched, rows)
+    for row in range(len(states)):
+        expected = bitmask[row] if row % 2 == 0 else torch.full_like(bitmask[row], -1)
+        assert torch.equal(batched[row], expected), f"batched fill, row {row}"
+    masker.fill_next_token_bitmasks(states, batched, range(len(states)))
+    assert torch.equal(batched, bitmask)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "syncode", "outlines"])

@@ -128,7 +128,7 @@ def test_cached_gamma_add_equals_log_gamma(setups):
 
 def test_gamma_cache_respects_its_memory_bound(setups):
     masker, _, ctrl = setups["bv4"]
-    per_entry = 4 * len(ctrl["LR_FULL"].scored_token_ids_)
+    per_entry = ShimAdjuster(ctrl["LR_FULL"]).cache.entry_bytes
     adj = ShimAdjuster(ctrl["LR_FULL"], cache_bytes=3 * (per_entry + 400))
     adj.cache.clear()
     states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(30)]
@@ -140,3 +140,27 @@ def test_gamma_cache_respects_its_memory_bound(setups):
     assert info["misses"] >= 4  # evicted states are recomputed, not served stale
     with pytest.raises(ValueError, match="max_bytes"):
         ShimAdjuster(ctrl["LR_FULL"], cache_bytes=0)
+
+
+def test_gamma_cache_keys_are_shared_by_maskers_with_one_fingerprint(setups, lm):
+    """A wrapper builds its masker afresh per generate call: a masker with the same
+    fingerprint finds the keys warm; one with another feature readout does not."""
+    masker, _, ctrl = setups["binary5"]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    adj.cache.clear()
+    scores = torch.zeros((1, masker.vocab_size))
+    states = [_walk(masker, [i, 2 * i]) for i in range(4)]
+    for s in states:
+        adj.add_log_gamma_(scores, [s])
+    backend = get_backend("xgrammar")
+    twin = backend.compile(masker.grammar, lm.tokenizer, lm.vocab_size)
+    assert twin is not masker and twin.fingerprint() == masker.fingerprint()
+    before = adj.cache_info()
+    for i in range(4):
+        adj.add_log_gamma_(scores, [_walk(twin, [i, 2 * i])])
+    after = adj.cache_info()
+    assert after["hits"] - before["hits"] == 4 and after["keys"] == before["keys"]
+    other = backend.compile(masker.grammar, lm.tokenizer, lm.vocab_size,
+                            start_positions="absolute", position_feature=True)
+    adj.add_log_gamma_(scores, [_walk(other, [1, 2])])
+    assert adj.cache_info()["keys"] == after["keys"] + 1  # its own key table

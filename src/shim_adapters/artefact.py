@@ -177,8 +177,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 def check_manifest(manifest: Mapping[str, Any], masker: Masker, lm=None,
                    path: str = "<artefact>") -> None:
     """Raise ManifestMismatchError on the first field that differs from the run."""
+    legacy = getattr(masker, "legacy_fingerprint", {})
     for field, expected in expected_fields(masker, lm).items():
-        found = manifest.get(field)
+        found = manifest.get(field, legacy.get(field))
         if found != expected:
             raise ManifestMismatchError(field, expected, found, path)
     status = manifest["features"]["feature_status"]

@@ -101,9 +101,20 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     return logits
 
 
+def numpy_rows_with_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """:func:`rows_with_any` of a numpy bitmask."""
+    full, rest = divmod(int(vocab_size), BITS_PER_WORD)
+    any_ = words[:, :full].any(axis=1)
+    if rest:
+        any_ |= (words[:, full] & ((1 << rest) - 1)) != 0
+    return any_
+
+
 def rows_with_any(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(batch,) bool: which rows allow at least one of the first ``vocab_size`` tokens."""
     full, rest = divmod(int(vocab_size), BITS_PER_WORD)
+    if bitmask.is_cpu:  # numpy: one reduction, no torch dispatch per op
+        return torch.from_numpy(numpy_rows_with_any(bitmask.numpy(), vocab_size))
     any_ = (bitmask[:, :full] != 0).any(dim=1)
     if rest:
         any_ |= (bitmask[:, full] & ((1 << rest) - 1)) != 0

@@ -21,6 +21,9 @@ from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generati
 from .protocol import Masker, MaskerState
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+
+
 class ShimAdjuster:
     """log γ̂ (damped by the controller's β) for the allowed tokens of each row.
 
@@ -46,10 +49,10 @@ class ShimAdjuster:
                                                        damped=self.damped)
 
     def _scored_index(self, device: torch.device) -> torch.Tensor:
+        """The token id of each γ-cache table column, on ``device``."""
         index = self._index.get(device)
         if index is None:
-            index = self._index[device] = torch.from_numpy(
-                self.controller.scored_token_ids_).to(device)
+            index = self._index[device] = torch.from_numpy(self.cache.columns).to(device)
         return index
 
     def add_log_gamma_(self, scores: torch.Tensor, states: Sequence[MaskerState],
@@ -73,19 +76,47 @@ class ShimAdjuster:
             raise ValueError(f"{len(states)} states but {len(rows)} rows")
         if not len(states):
             return scores
-        entries = [self.cache.entry(s) for s in states]
-        index = self._scored_index(scores.device)
+        cache = self.cache
+        entries = cache.entries(states)
         batch = scores.shape[0]
-        if len(rows) == batch and all(r == i for i, r in enumerate(rows)):
-            delta = entries[0].delta.unsqueeze(0) if batch == 1 else torch.stack(
-                [e.delta for e in entries])
-        else:
+        if scores.is_cpu and not scores.requires_grad and scores.dtype in _NUMPY_DTYPES:
+            # numpy on the logits' own memory: at these sizes a torch call costs more than
+            # the work (one fancy add at batch 1, one gather-add for a batch)
+            view = scores.numpy()
+            table = cache.table
+            dense, width = cache.dense, cache.width  # dense: columns are token ids 0..width-1
+            if len(entries) == 1:
+                if dense:
+                    target = view[rows[0], :width]
+                    target += table[entries[0].slot]
+                else:
+                    row = view[rows[0]]
+                    row[cache.columns] += table[entries[0].slot]
+            else:
+                values = table[[e.slot for e in entries]]
+                if len(rows) == batch and (isinstance(rows, range) and rows.start == 0
+                                           or all(r == i for i, r in enumerate(rows))):
+                    if dense:
+                        target = view[:, :width]
+                        target += values
+                    else:
+                        view[:, cache.columns] += values
+                else:
+                    view[np.ix_(np.asarray(rows, dtype=np.intp), cache.columns)] += values
+            if exact:
+                shared = np.array([e.shared for e in entries], dtype=view.dtype)
+                view[np.asarray(rows, dtype=np.intp)] += shared[:, None]
+            return scores
+        index = self._scored_index(scores.device)
+        slots = torch.tensor([e.slot for e in entries], dtype=torch.long)
+        values = cache.table_tensor.index_select(0, slots)
+        if len(rows) != batch or any(r != i for i, r in enumerate(rows)):
             delta = torch.zeros((batch, len(index)), dtype=torch.float32)
-            delta[torch.as_tensor(list(rows), dtype=torch.long)] = torch.stack(
-                [e.delta for e in entries])
-        if delta.device != scores.device or delta.dtype != scores.dtype:
-            delta = delta.to(device=scores.device, dtype=scores.dtype)
-        scores.index_add_(1, index, delta)
+            delta.index_copy_(0, torch.as_tensor(list(rows), dtype=torch.long), values)
+            values = delta
+        if values.device != scores.device or values.dtype != scores.dtype:
+            values = values.to(device=scores.device, dtype=scores.dtype)
+        scores.index_add_(1, index, values)
         if exact:
             shared = torch.zeros(batch, dtype=torch.float32)
             shared[torch.as_tensor(list(rows), dtype=torch.long)] = torch.tensor(

@@ -1,11 +1,15 @@
 """A bounded LRU cache of SHIM's β·log γ̂ per masker state.
 
 Decoding revisits the same states (a grammar has few distinct parser configurations), so the
-correction of a state is computed once and reused: a hit costs one dict lookup of
-:meth:`~shim_adapters.protocol.MaskerState.feature_key` (no feature readout) and the caller's
-one batched add. Entries hold the whole vocabulary's correction in the compact form of
-:meth:`~shim_adapters.controller.Controller.state_log_gamma` (one float per token the controller
-knows, relative to the shared value of every other token), so a hit never depends on which
+correction of a state is computed once and reused. Every entry's values live in one row
+(*slot*) of a single float32 table, shaped ``(slots, len(scored_token_ids_))``, so a hit
+costs the state's :meth:`~shim_adapters.protocol.MaskerState.feature_key`, one dict lookup,
+and its share of one batched add: :meth:`GammaCache.slots` gives a batch's slot numbers, and
+the caller adds ``table[slots]`` at the controller's scored token ids with one
+``index_add_`` (or one numpy fancy add at batch 1, where a torch call costs more than the
+work). A row holds the whole vocabulary's correction relative to the value shared by every
+token without features of its own (the form of
+:meth:`~shim_adapters.controller.Controller.state_log_gamma`), so a hit never depends on which
 tokens are allowed.
 
 Two levels: ``feature_key -> entry`` (cheap key, exact identity of the features), and, on a
@@ -17,9 +21,9 @@ one entry and skip the model head.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -28,23 +32,28 @@ from .protocol import MaskerState
 
 #: Default bound on the memory of cached corrections.
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+#: Bytes charged per key and per entry on top of their payload (dict slots, objects).
+_KEY_OVERHEAD = 100
+_ENTRY_OVERHEAD = 164
 
 
-@dataclass(frozen=True)
 class GammaEntry:
     """One state's correction: ``shared`` for tokens without features of their own, and
-    ``delta[i] = value(scored_token_ids[i]) - shared`` (float32, CPU)."""
+    ``table[slot][i] = value(scored_token_ids[i]) - shared``. ``alive`` turns False when the
+    entry is evicted (its slot is then reused): keys still pointing at it count as misses."""
 
-    shared: float
-    delta: torch.Tensor
+    __slots__ = ("slot", "shared", "ekey", "alive", "used")
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.delta.numel() * self.delta.element_size()) + 64
+    def __init__(self, slot: int, shared: float, ekey: tuple[bytes, bytes]):
+        self.slot = slot
+        self.shared = shared
+        self.ekey = ekey
+        self.alive = True
+        self.used = False
 
 
 class GammaCache:
-    """LRU cache of :class:`GammaEntry` per state for one fitted controller."""
+    """LRU cache of β·log γ̂ per state for one fitted controller (see the module docstring)."""
 
     def __init__(self, controller, damped: bool = True, max_bytes: int = DEFAULT_MAX_BYTES):
         if max_bytes < 1:
@@ -55,47 +64,106 @@ class GammaCache:
         groups = set(controller.encoder_.groups)
         #: LR_NT reads no state: one entry serves every step.
         self.state_free = not groups & {"state", "cross"}
-        self._by_key: OrderedDict[Hashable, tuple[bytes, bytes]] = OrderedDict()
+        scored = np.asarray(controller.scored_token_ids_, dtype=np.int64)
+        span = int(scored.max()) + 1 if len(scored) else 1
+        #: Dense rows (token ids 0..width-1, one contiguous add) when that is not much wider
+        #: than the scored tokens alone; else one value per scored token (a gather-add).
+        self.dense = span <= max(4096, 4 * len(scored))
+        self.width = span if self.dense else len(scored)
+        #: The token id of each table column.
+        self.columns = np.arange(span, dtype=np.int64) if self.dense else scored
+        self._scored = scored
+        self._row_bytes = 4 * self.width
+        #: Per masker fingerprint (two maskers may read one dump differently): key -> entry;
+        #: ``_keys`` finds a masker's table (weakly: a wrapper's masker may come and go).
+        self._by_identity: dict[tuple, OrderedDict[Hashable, GammaEntry]] = {}
+        self._keys: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
         self._by_encoding: OrderedDict[tuple[bytes, bytes], GammaEntry] = OrderedDict()
-        self._bytes = 0
+        self._n_keys = 0
         self._key_bytes = 0
-        self.hits = 0
-        self.encoding_hits = 0
-        self.misses = 0
+        self._table = np.zeros((4, self.width), dtype=np.float32)
+        self._table_t = torch.from_numpy(self._table)
+        self._free: list[int] = list(range(3, -1, -1))
         self._constant: GammaEntry | None = None
-        #: Keys are (masker id, feature key): two maskers may read one dump differently.
-        self._maskers: dict[int, object] = {}
+        self.lookups = self.encoding_hits = self.misses = 0
 
     # ---- lookup ----------------------------------------------------------------------------
+    @property
+    def table(self) -> np.ndarray:
+        """``(slots, len(columns))`` float32: row ``entry.slot`` is an entry's values minus
+        its shared value at the token ids :attr:`columns`. Reallocated when it grows: index
+        it after lookups."""
+        return self._table
+
+    @property
+    def table_tensor(self) -> torch.Tensor:
+        """:attr:`table` as a CPU torch tensor (same memory)."""
+        return self._table_t
+
+    @property
+    def entry_bytes(self) -> int:
+        """Memory charged per entry (its table row and bookkeeping; keys are extra)."""
+        return self._row_bytes + _ENTRY_OVERHEAD
+
     def entry(self, state: MaskerState) -> GammaEntry:
         """The correction at ``state`` (computed and stored on a miss)."""
-        if self.state_free:
-            if self._constant is None:
-                self._constant = self._compute(state)
-                self.misses += 1
-            else:
-                self.hits += 1
-            return self._constant
-        masker = state.masker
-        if id(masker) not in self._maskers:
-            self._maskers[id(masker)] = masker  # held, so that its id is never reused
-        key = (id(masker), state.feature_key())
-        ekey = self._by_key.get(key)
-        if ekey is not None:
-            hit = self._by_encoding.get(ekey)
-            if hit is not None:
-                self.hits += 1
-                self._by_key.move_to_end(key)
-                self._by_encoding.move_to_end(ekey)
-                return hit
-        else:
-            self._key_bytes += _size_of(key)
-        ekey, entry = self._lookup_encoded(state)
-        self._by_key[key] = ekey
-        self._evict()
-        return entry
+        return self.entries([state])[0]
 
-    def _lookup_encoded(self, state: MaskerState) -> tuple[tuple[bytes, bytes], GammaEntry]:
+    def entries(self, states: Sequence[MaskerState]) -> list[GammaEntry]:
+        """The corrections at ``states`` (the hot path: one key and one lookup per state)."""
+        if self.state_free:
+            return [self._constant_entry(s) for s in states]
+        out = []
+        append = out.append
+        keys_of = self._keys
+        masker = keys = None
+        for state in states:
+            if state.masker is not masker:
+                masker = state.masker
+                keys = keys_of.get(masker)
+                if keys is None:
+                    keys = keys_of[masker] = self._keys_for(masker)
+            key = state.feature_key()
+            hit = keys.get(key)
+            if hit is not None and hit.alive:
+                keys.move_to_end(key)
+                hit.used = True  # second chance at eviction (CLOCK), cheaper than a move
+                append(hit)
+                continue
+            if hit is None:
+                self._n_keys += 1
+                self._key_bytes += _size_of(key) + _KEY_OVERHEAD
+            hit = keys[key] = self._lookup_encoded(state)
+            self._by_encoding.move_to_end(hit.ekey)
+            append(hit)
+        self.lookups += len(states)
+        if len(self._by_encoding) > 1 and self._live_bytes() > self.max_bytes:
+            self._evict(out)
+        return out
+
+    def _keys_for(self, masker) -> "OrderedDict[Hashable, GammaEntry]":
+        """The key table of maskers with ``masker``'s fingerprint (same grammar, tokenizer,
+        width, backend version and feature readout read a state dump the same way), so a
+        wrapper built afresh per ``generate`` call finds its keys warm."""
+        try:
+            identity = tuple(sorted(masker.fingerprint().items()))
+        except Exception:  # a masker without a fingerprint: keys of its own
+            identity = ("masker", id(masker))
+        table = self._by_identity.get(identity)
+        if table is None:
+            table = self._by_identity[identity] = OrderedDict()
+        return table
+
+    def _constant_entry(self, state: MaskerState) -> GammaEntry:
+        if self._constant is None:
+            shared, values = self.controller.state_log_gamma(state.features(), self.damped)
+            self._constant = self._store((b"", b""), shared, values)
+            self._by_encoding[(b"", b"")] = self._constant
+            self.misses += 1
+        self.lookups += 1
+        return self._constant
+
+    def _lookup_encoded(self, state: MaskerState) -> GammaEntry:
         controller = self.controller
         enc, state_pre = controller.encode_state(state.features())
         ekey = (enc.state_columns.tobytes(), enc.cross_keys.tobytes())
@@ -103,49 +171,105 @@ class GammaCache:
         if hit is not None:
             self._by_encoding.move_to_end(ekey)
             self.encoding_hits += 1
-            return ekey, hit
+            return hit
         self.misses += 1
         shared, values = controller.encoded_log_gamma(enc, state_pre, self.damped)
-        entry = _entry(shared, values)
-        self._by_encoding[ekey] = entry
-        self._bytes += _entry_bytes(ekey, entry)
-        return ekey, entry
+        entry = self._by_encoding[ekey] = self._store(ekey, shared, values)
+        return entry
 
-    def _compute(self, state: MaskerState) -> GammaEntry:
-        shared, values = self.controller.state_log_gamma(state.features(), self.damped)
-        return _entry(shared, values)
+    def _store(self, ekey: tuple[bytes, bytes], shared: float, values: np.ndarray
+               ) -> GammaEntry:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        if self.dense:
+            row = self._table[slot]
+            row[:] = 0.0
+            row[self._scored] = values - shared
+        else:
+            self._table[slot] = values - shared
+        return GammaEntry(slot, float(shared), ekey)
 
-    def _evict(self) -> None:
-        """Oldest entries first until the memory bound holds (the newest always stays);
-        a key whose entry went is dropped with it when it is looked up again."""
-        while self._bytes + self._key_bytes > self.max_bytes and len(self._by_encoding) > 1:
-            ekey, entry = self._by_encoding.popitem(last=False)
-            self._bytes -= _entry_bytes(ekey, entry)
-            if len(self._by_key) > 1:
-                key, _ = self._by_key.popitem(last=False)
-                self._key_bytes -= _size_of(key)
-        while self._bytes + self._key_bytes > self.max_bytes and len(self._by_key) > 1:
-            key, _ = self._by_key.popitem(last=False)
-            self._key_bytes -= _size_of(key)
+    def _grow(self) -> None:
+        old = self._table
+        table = np.zeros((2 * len(old), self.width), dtype=np.float32)
+        table[:len(old)] = old
+        self._free.extend(range(len(table) - 1, len(old) - 1, -1))
+        self._table, self._table_t = table, torch.from_numpy(table)
+
+    def _evict(self, keep: Sequence[GammaEntry]) -> None:
+        """Oldest entries first, skipping once those hit since (CLOCK), until the memory
+        bound holds (those of the current step stay); their keys are dropped when looked up again, the oldest keys when keys alone
+        exceed the bound. The table shrinks to the live slots when it is mostly free."""
+        keep_ids = {id(e) for e in keep}
+        encoding = self._by_encoding
+        kept = []
+        second_chances = len(encoding)
+        while encoding and self._live_bytes() > self.max_bytes:
+            ekey, entry = encoding.popitem(last=False)
+            if id(entry) in keep_ids:
+                kept.append((ekey, entry))
+                continue
+            if entry.used and second_chances > 0:  # hit since it was last looked at
+                entry.used = False
+                second_chances -= 1
+                encoding[ekey] = entry
+                continue
+            entry.alive = False
+            self._free.append(entry.slot)
+        for ekey, entry in kept:
+            encoding[ekey] = entry
+        for keys in self._by_identity.values():
+            while keys and self._live_bytes() > self.max_bytes:
+                key, entry = next(iter(keys.items()))
+                if id(entry) in keep_ids and entry.alive:
+                    break
+                del keys[key]
+                self._n_keys -= 1
+                self._key_bytes -= _size_of(key) + _KEY_OVERHEAD
+        if len(self._free) > len(self._table) // 2 and len(self._table) > 4:
+            self._compact()
+
+    def _live_bytes(self) -> int:
+        return len(self._by_encoding) * self.entry_bytes + self._key_bytes
+
+    def _compact(self) -> None:
+        """Move the live entries to a table just big enough for them."""
+        live = list(self._by_encoding.values())
+        size = max(4, 1 << max(0, len(live) - 1).bit_length())
+        table = np.zeros((size, self.width), dtype=np.float32)
+        for i, entry in enumerate(live):
+            table[i] = self._table[entry.slot]
+            entry.slot = i
+        self._table, self._table_t = table, torch.from_numpy(table)
+        self._free = list(range(size - 1, len(live) - 1, -1))
 
     # ---- reporting -------------------------------------------------------------------------
     def clear(self) -> None:
-        self._by_key.clear()
+        for entry in self._by_encoding.values():
+            entry.alive = False
+        self._keys.clear()
+        self._by_identity.clear()
         self._by_encoding.clear()
-        self._bytes = self._key_bytes = 0
-        self.hits = self.encoding_hits = self.misses = 0
+        self._n_keys = self._key_bytes = 0
+        self._table = np.zeros((4, self.width), dtype=np.float32)
+        self._table_t = torch.from_numpy(self._table)
+        self._free = list(range(3, -1, -1))
         self._constant = None
+        self.lookups = self.encoding_hits = self.misses = 0
 
     def info(self) -> dict[str, float]:
-        """Hit rates, sizes and memory (bytes) of the cache."""
-        lookups = self.hits + self.encoding_hits + self.misses
-        return {"lookups": lookups, "hits": self.hits, "encoding_hits": self.encoding_hits,
+        """Hit rates, sizes and memory (bytes: the slot table, entries and keys)."""
+        lookups = self.lookups
+        hits = lookups - self.encoding_hits - self.misses
+        return {"lookups": lookups, "hits": hits, "encoding_hits": self.encoding_hits,
                 "misses": self.misses,
-                "hit_rate": self.hits / lookups if lookups else float("nan"),
-                "head_skip_rate": (self.hits + self.encoding_hits) / lookups if lookups
+                "hit_rate": hits / lookups if lookups else float("nan"),
+                "head_skip_rate": (hits + self.encoding_hits) / lookups if lookups
                 else float("nan"),
-                "keys": len(self._by_key), "entries": len(self._by_encoding),
-                "bytes": self._bytes + self._key_bytes, "max_bytes": self.max_bytes}
+                "keys": self._n_keys, "entries": len(self._by_encoding),
+                "bytes": self._live_bytes(), "table_bytes": self._table.nbytes,
+                "max_bytes": self.max_bytes}
 
 
 def shared_gamma_cache(controller, damped: bool = True,
@@ -158,15 +282,6 @@ def shared_gamma_cache(controller, damped: bool = True,
     if cache is None:
         cache = caches[key] = GammaCache(controller, damped=damped, max_bytes=max_bytes)
     return cache
-
-
-def _entry(shared: float, values: np.ndarray) -> GammaEntry:
-    delta = torch.from_numpy((values - shared).astype(np.float32))
-    return GammaEntry(float(shared), delta)
-
-
-def _entry_bytes(ekey: tuple[bytes, bytes], entry: GammaEntry) -> int:
-    return entry.nbytes + len(ekey[0]) + len(ekey[1]) + 100
 
 
 def _size_of(key: Hashable) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from .bitmask import allocate_token_bitmask, pack_mask, rows_with_any
+from .bitmask import allocate_token_bitmask, numpy_rows_with_any, pack_mask
 from .errors import DeadEndError, VocabMismatchError
 from .protocol import Masker, MaskerState
 
@@ -104,14 +104,18 @@ class MaskedLogitsProcessor(LogitsProcessor):
             only_eos[min(masker.eos_token_ids)] = True
             self._eos_row = torch.from_numpy(pack_mask(only_eos))
         bitmask = self._bitmask
+        words = bitmask.numpy()
+        eos_row = self._eos_row.numpy()
+        live = []
         for row, state in enumerate(self.states):
             if state.is_finished:
-                bitmask[row] = self._eos_row
+                words[row] = eos_row
             else:
-                state.fill_next_token_bitmask(bitmask, row)
-        nonempty = rows_with_any(bitmask, masker.vocab_size)
-        if not bool(nonempty.all()):
-            row = int(torch.nonzero(~nonempty)[0, 0])
+                live.append(row)
+        masker.fill_next_token_bitmasks([self.states[r] for r in live], bitmask, live)
+        nonempty = numpy_rows_with_any(words, masker.vocab_size)
+        if not nonempty.all():
+            row = int(np.flatnonzero(~nonempty)[0])
             state = self.states[row]
             raise DeadEndError(state.step, state.describe(), row=row)
         return bitmask

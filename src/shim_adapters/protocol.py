@@ -172,10 +172,20 @@ class Masker(abc.ABC):
     #: Width of the model's logits (>= the tokenizer's vocabulary; the excess is padding).
     vocab_size: int
     eos_token_ids: frozenset[int]
+    #: Fingerprint fields added after artefacts were first written: the value an artefact
+    #: that lacks the field was written with (so it loads where that still holds).
+    legacy_fingerprint: Mapping[str, str] = {}
 
     @abc.abstractmethod
     def new_state(self) -> MaskerState:
         """A fresh state at the start of the output."""
+
+    def fill_next_token_bitmasks(self, states: Sequence[MaskerState], bitmask,
+                                 rows: Sequence[int]) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` for ``states[i]`` (a batch's fill: backends
+        may override it to do their per-row fix-ups with one vectorised op)."""
+        for row, state in zip(rows, states):
+            state.fill_next_token_bitmask(bitmask, row)
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """Mask ``logits`` (batch, vocab) in place with a packed bitmask (batch, words).

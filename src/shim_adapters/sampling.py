@@ -317,8 +317,9 @@ def _fill(bitmask: torch.Tensor, states: Sequence[MaskerState], rows: np.ndarray
     phase = "first_mask" if step == 0 else "mask"
     bits = bitmask[: len(rows)]
     t0 = time.perf_counter()
-    for k, i in enumerate(rows):
-        states[i].fill_next_token_bitmask(bits, k)
+    if len(rows):
+        states[rows[0]].masker.fill_next_token_bitmasks([states[i] for i in rows], bits,
+                                                        range(len(rows)))
     timer.add(phase, time.perf_counter() - t0)
     if dead_end:
         alive = rows_with_any(bits, states[rows[0]].masker.vocab_size)

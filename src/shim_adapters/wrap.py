@@ -186,6 +186,11 @@ class ShimWrapper(MaskedLogitsProcessor):
     features from the backend's own per-row state.
     """
 
+    #: Whether the backend's allowed set is compared with the masker's on the whole logits
+    #: (a wrapper whose states read the backend's own mask overrides :meth:`_agree` with a
+    #: check in the packed domain and sets this False).
+    dense_agreement = True
+
     def __init__(self, masker: Masker, controller: Controller, *,
                  batch_size: int | None = None, backend: BackendCall | None = None):
         if batch_size is not None and batch_size < 1:
@@ -204,6 +209,7 @@ class ShimWrapper(MaskedLogitsProcessor):
         self._eos_row = None
         self._warned_special: set[int] = set()
         self._warned_utf8: set[int] = set()
+        self._last_ids: torch.LongTensor | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def reset(self, states: Sequence[MaskerState] | None = None) -> None:
@@ -213,6 +219,7 @@ class ShimWrapper(MaskedLogitsProcessor):
                             "reset() takes no arguments")
         self.states = []
         self._prompt_length = None
+        self._last_ids = None
         self._reset_backend()
 
     def _reset_backend(self) -> None:
@@ -236,7 +243,20 @@ class ShimWrapper(MaskedLogitsProcessor):
                 f"num_return_sequences must be counted in batch_size (prompts x samples)")
 
     def _new_tokens(self, input_ids: torch.LongTensor) -> list[int | None]:
-        """Each live row's single new token, after checking it continues the row's history."""
+        """Each live row's single new token, after checking it continues the row's history.
+
+        The usual case costs one comparison: every row is the previous call's ids plus one
+        token. Anything else takes the row-by-row check, which names the row that broke."""
+        last = getattr(self, "_last_ids", None)
+        if (last is not None and input_ids.shape[0] == last.shape[0]
+                and input_ids.shape[1] == last.shape[1] + 1
+                and torch.equal(input_ids[:, :-1], last)):
+            tokens = input_ids[:, -1].tolist()
+            return [None if state.is_finished else int(token)
+                    for state, token in zip(self.states, tokens)]
+        return self._new_tokens_checked(input_ids)
+
+    def _new_tokens_checked(self, input_ids: torch.LongTensor) -> list[int | None]:
         if input_ids.shape[0] != len(self.states):
             raise UnsupportedDecodingError(
                 f"the batch has {input_ids.shape[0]} rows but the wrapper holds "
@@ -317,7 +337,9 @@ class ShimWrapper(MaskedLogitsProcessor):
         if scores.shape[-1] != width:
             raise VocabMismatchError(f"model logits have width {scores.shape[-1]} but the masker "
                                      f"was compiled for {width}")
-        was_neginf = torch.isneginf(scores) if self.backend is not None else None
+        self._last_ids = input_ids
+        dense_check = self.backend is not None and self.dense_agreement
+        was_neginf = torch.isneginf(scores) if dense_check else None
         if self.backend is not None:
             scores = self.backend(input_ids, scores)
         if first:
@@ -331,7 +353,7 @@ class ShimWrapper(MaskedLogitsProcessor):
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)
         self.masker.apply_token_bitmask_(scores, bitmask)
-        if self.backend is not None:
+        if dense_check:
             self._check_not_empty(scores)
         if self.adjuster is not None:
             self._apply_adjuster(scores)

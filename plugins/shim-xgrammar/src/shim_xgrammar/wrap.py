@@ -18,15 +18,17 @@ replaces it with a fresh one over the same compiled grammars.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from shim_adapters.grammar import Grammar
-from shim_adapters.wrap import (ControllerLike, ShimWrapper, bind_controller,
+from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, bind_controller,
                                 controller_manifest, grammar_of_manifest)
 
-from .masker import XGrammarMasker, XGrammarState
+from .masker import XGrammarMasker, XGrammarState, _numpy_view
 
 
 class BorrowedMatcherState(XGrammarState):
@@ -47,7 +49,7 @@ class BorrowedMatcherState(XGrammarState):
         processor = getattr(self, "_processor", None)
         if processor is None:
             return super()._fill_raw(bitmask, row)
-        bitmask[row] = processor.token_bitmask[self._row]
+        _numpy_view(bitmask)[row] = processor.token_bitmask.numpy()[self._row]
 
     def advance(self, token_id: int) -> None:
         raise TypeError("this state's matcher is advanced by XGrammar's processor; use "
@@ -55,7 +57,13 @@ class BorrowedMatcherState(XGrammarState):
 
 
 class ShimXGrammarProcessor(ShimWrapper):
-    """XGrammar's processor, then SHIM over the tokens it allows."""
+    """XGrammar's processor, then SHIM over the tokens it allows.
+
+    The row states read XGrammar's own bitmask (the one its call just applied), so the
+    masker's mask is XGrammar's with the fix-up words (control tokens, padding, EOS) changed:
+    the two are compared on those words of the packed masks, not on the whole logits."""
+
+    dense_agreement = False
 
     def __init__(self, xgr_processor, masker: XGrammarMasker, controller, *,
                  batch_size: int | None = None):
@@ -85,6 +93,38 @@ class ShimXGrammarProcessor(ShimWrapper):
 
     def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
         state.record(token_id)
+
+    def _agree(self, bitmask, scores, was_neginf) -> None:
+        """Tokens XGrammar allowed that the masker's fix-ups forbid: control tokens are
+        masked with one warning, padding silently; anything else (EOS where XGrammar and the
+        matcher's completion disagree) takes the whole-logits check, which refuses it."""
+        masker = self.masker
+        fix = masker._fix_words
+        theirs = self.inner.token_bitmask.numpy()[:, fix]
+        extra = theirs & ~bitmask.numpy()[:, fix]
+        for row, state in enumerate(self.states):
+            if state.is_finished:
+                extra[row] = 0
+        if not extra.any():
+            return
+        bits = np.unpackbits(np.ascontiguousarray(extra).view(np.uint8), axis=1,
+                             bitorder="little").astype(bool)
+        rows, cols = np.nonzero(bits)
+        ids = fix[cols // 32] * 32 + cols % 32
+        special = masker._special_ids
+        if all(t >= masker.tokenizer_size or int(t) in special for t in ids.tolist()):
+            new = [t for t in sorted(set(int(t) for t in ids if int(t) in special))
+                   if t not in self._warned_special]
+            if new:
+                self._warned_special.update(new)
+                shown = ", ".join(f"{t} ({masker.token_text(t)!r})" for t in new[:8])
+                warnings.warn(
+                    f"the wrapped xgrammar processor allows control token(s) {shown} inside "
+                    f"the output; they are masked (control tokens are never emitted as text)",
+                    ShimWarning, stacklevel=3)
+            return
+        # a disagreement beyond control tokens: the generic check names and refuses it
+        super()._agree(bitmask, scores, torch.zeros_like(scores, dtype=torch.bool))
 
 
 def _check_same_compilation(xgr_processor, masker: XGrammarMasker) -> None:
@@ -130,7 +170,8 @@ def with_shim(xgr_processor, controller: ControllerLike, *, tokenizer,
     found = controller_manifest(controller, manifest)
     info = xgr_processor.compiled_grammars[0].tokenizer_info
     masker = XGrammarMasker(grammar_of_manifest(found, grammar), tokenizer,
-                            vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids))
+                            vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids),
+                            **XGrammarMasker.feature_options(found))
     fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
     _check_same_compilation(xgr_processor, masker)
     if batch_size is None and len(xgr_processor.compiled_grammars) > 1:
