@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ForbiddenTokenError, ShimError
 from ..grammar import Grammar
-from ..protocol import Masker, MaskerState
+from ..protocol import Masker, MaskerState, Tokenizations
 from ..reference import reference_acceptor
 from .generate import valid_strings
 from .grammar_analysis import grammar_diagnostics
@@ -25,6 +25,7 @@ from .known_bugs import match_known_bug
 from .prefix import LarkPrefixChecker, PrefixUndecided
 from .profiles import Profile
 from .report import CheckResult, Repro
+from .tokenizations import ForcedText, declared_tokenizations, excused_split
 from .vocab import Vocabulary, decode_prefix
 
 _CLOSERS = frozenset(b")]};\"'")
@@ -80,6 +81,8 @@ class CellContext:
                 1 if not chars & _OPENERS else 2
             self.finish_rank[i] = rank * 1000 + min(len(b), 999)
         self.np_rng = np.random.default_rng(self.profile.seed)
+        self.tokenizations = declared_tokenizations(self.masker)
+        self.forced = ForcedText(self)
 
     def sample(self, ids: np.ndarray, k: int) -> list[int]:
         """Up to ``k`` distinct ids drawn from ``ids``."""
@@ -405,7 +408,9 @@ def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound:
                           "(generator vs Earley lexing) and not used")
     if not strings:
         comp.notes.append("the generator produced no valid string for this grammar")
-    claims = bool(getattr(ctx.masker, "supports_non_canonical", False))
+    declared = ctx.tokenizations
+    judged = declared is not Tokenizations.CANONICAL
+    comp.info["tokenizations_declared"] = declared.value
     noncanon: dict[str, list[int]] = {}
     categories = {"leading_space": [0, 0], "multi_terminal": [0, 0], "partial_utf8": [0, 0],
                   "three_plus_terminals": [0, 0]}
@@ -449,18 +454,70 @@ def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound:
                 continue
             refused, eos_end, _ = _follow(ctx, ids)
             ok = refused is None and eos_end
-            stats = noncanon.setdefault(kind, [0, 0])
-            stats[0 if ok else 1] += 1
-            if not ok and claims:
-                ctx.fail(comp, ctx.repro("completeness", f"non_canonical_refused:{kind}",
-                                         ids[:refused or 0], None if refused is None else ids[refused],
-                                         "backend claims non-canonical support"))
-    comp.info["non_canonical_accepted_refused"] = noncanon
-    if noncanon and not claims:
+            excused = not ok and _excused_refusal(ctx, ids, refused)
+            stats = noncanon.setdefault(kind, [0, 0, 0])
+            stats[0 if ok else 2 if excused else 1] += 1
+            if not judged:
+                continue
+            if ok or excused:
+                comp.passed += 1
+                continue
+            _report_non_canonical(ctx, comp, s, kind, ids, refused)
+    comp.info["non_canonical_accepted_refused_excused"] = noncanon
+    if noncanon and not judged:
         comp.notes.append("non-canonical tokenizations are recorded, not judged (the backend "
-                          "does not claim to accept them): " + ", ".join(
-                              f"{k} {a} accepted / {r} refused" for k, (a, r) in noncanon.items()))
+                          "declares tokenizations=canonical): " + ", ".join(
+                              f"{k} {a} accepted / {r} refused"
+                              for k, (a, r, _) in noncanon.items()))
+    excused_total = sum(e for _, _, e in noncanon.values())
+    if excused_total:
+        comp.notes.append(f"{excused_total} non-canonical tokenizations refused inside text the "
+                          f"grammar forces, as the backend declares (tokenizations="
+                          f"{declared.value}): not failures")
     edges.info["categories_seen_refused"] = categories
+
+
+def _excused_refusal(ctx: CellContext, ids: list[int], refused: int | None) -> bool:
+    """A refusal the backend's tokenizations declaration covers (a split of forced text)."""
+    if refused is None or ctx.tokenizations is not Tokenizations.CANONICAL_IN_FORCED_TEXT:
+        return False
+    state = ctx.replay(ids[:refused])
+    return state is not None and excused_split(ctx, ctx.forced, ctx.data(ids[:refused]),
+                                               int(ids[refused]),
+                                               np.asarray(state.allowed_mask()))
+
+
+_SEGMENTERS = {"char_by_char": lambda v, s: v.char_by_char(s),
+               "bytewise_utf8": lambda v, s: v.bytewise(s)}
+
+
+def _report_non_canonical(ctx: CellContext, comp: CheckResult, s: str, kind: str,
+                          ids: list[int], refused: int | None) -> None:
+    """A non-canonical tokenization of a valid string refused (a deterministic segmentation
+    is shrunk with its string first)."""
+    segment = _SEGMENTERS.get(kind)
+    if segment is not None:
+        def fails(chars: list) -> bool:
+            text = "".join(chars)
+            if not text or not ctx.reference.accepts(text):
+                return False
+            seq = segment(ctx.vocab, text)
+            if seq is None:
+                return False
+            r, eos_end, _ = _follow(ctx, seq)
+            return not (r is None and eos_end) and not _excused_refusal(ctx, seq, r)
+
+        short = "".join(minimise(list(s), fails, ctx.profile.minimise_budget))
+        seq = segment(ctx.vocab, short) if short else None
+        if seq is not None and fails(list(short)):
+            s, ids = short, seq
+            refused = _follow(ctx, ids)[0]
+    where = "EOS refused at its end" if refused is None else f"refused at token {refused}"
+    ctx.fail(comp, ctx.repro("completeness", "non_canonical_refused",
+                             ids if refused is None else ids[:refused],
+                             None if refused is None else ids[refused],
+                             f"{kind} tokenization of the valid string {s!r} {where}; the "
+                             f"backend declares tokenizations={ctx.tokenizations.value}"))
 
 
 def _categorise(ctx: CellContext, s: str, ids: list[int], refused: int | None,
@@ -679,11 +736,18 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         comp.notes.append("exhaustive check judges only allowed tokens for a JSON schema (its "
                           "prefix reference is JSON syntax); refusals are judged on generated "
                           "valid strings")
+    elif ctx.tokenizations is Tokenizations.CANONICAL:
+        judge_blocked = False
+        summary["blocked_not_judged"] = "the backend declares tokenizations=canonical"
+        comp.notes.append("exhaustive check judges only allowed tokens: the backend declares "
+                          "canonical tokenizations only, so refusals are judged on canonical "
+                          "tokenizations of generated valid strings")
     t0 = time.perf_counter()
     deadline = t0 + p.exhaustive_budget_s
     rows = []
     totals = dict(states=0, tokens_checked=0, wrongly_allowed=0, wrongly_blocked=0,
-                  dead_end_tokens=0, control_allowed=0, undecided=0, skipped_tokens=0)
+                  dead_end_tokens=0, control_allowed=0, undecided=0, skipped_tokens=0,
+                  refused_as_declared=0)
     minimised: set[str] = set()
     width = ctx.masker.vocab_size
     for n_done, ids in enumerate(states):
@@ -701,16 +765,24 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         wrong_allowed = np.flatnonzero(txt & mask & (verdicts == DEAD))
         wrong_blocked = np.flatnonzero(txt & ~mask & (verdicts == VIABLE))
         viable = txt & (verdicts == VIABLE)
+        excused = 0
         if not judge_blocked:
             wrong_blocked = wrong_blocked[:0]
+        elif len(wrong_blocked) and ctx.tokenizations is Tokenizations.CANONICAL_IN_FORCED_TEXT:
+            keep = [t for t in wrong_blocked
+                    if not excused_split(ctx, ctx.forced, data, int(t), mask)]
+            excused = len(wrong_blocked) - len(keep)
+            wrong_blocked = np.array(keep, dtype=np.int64)
         row = dict(prefix=ctx.text(ids)[-80:], prefix_tokens=len(ids),
                    tokens_checked=int((txt & (verdicts >= 0)).sum()),
                    undecided=int((txt & (verdicts == UNDECIDED)).sum()),
                    skipped=int((txt & (verdicts == SKIPPED)).sum()),
                    allowed=int((txt & mask).sum()), viable=int(viable.sum()),
-                   wrongly_allowed=0, dead_end_tokens=0, wrongly_blocked=int(len(wrong_blocked)))
+                   wrongly_allowed=0, dead_end_tokens=0, wrongly_blocked=int(len(wrong_blocked)),
+                   refused_as_declared=excused)
         sound.passed += int(decided_allowed.sum()) - len(wrong_allowed)
-        comp.passed += int(viable.sum()) - len(wrong_blocked)
+        if judge_blocked:
+            comp.passed += int((viable & mask).sum())
         dead_ends, unsound = [], []
         for t in wrong_allowed:
             t = int(t)
@@ -733,15 +805,15 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
                              key=lambda t: (len(ctx.vocab.token_bytes[t] or b""), t))
             row[f"shortest_{kind}"] = [ordered[0], ctx.vocab.text_of(ordered[0])]
             first_unknown = None
-            forced = _forced_next_byte(ctx, viable) if kind == "valid_token_refused" else None
-            # The backend allows some tokenization of the forced text (another split of it).
-            forced_split = forced is not None and _allows_forced_split(ctx, mask, viable)
             kept: dict[str | None, int] = {}
             for t in ordered:
                 why = detail
-                if forced_split:
-                    why = detail + f"; {FORCED_TEXT_MARK}: the grammar forces the next text " \
-                        "and the backend allows another split of it"
+                if kind == "valid_token_refused" and \
+                        ctx.tokenizations is Tokenizations.ANY and \
+                        excused_split(ctx, ctx.forced, data, t, mask):
+                    why = detail + f"; {FORCED_TEXT_MARK}: only a split of text the grammar " \
+                        "forces is refused, another split is allowed (the backend declares " \
+                        "tokenizations=any; canonical_in_forced_text would cover this)"
                 repro = ctx.repro(check.name, kind, ids, t, why)
                 bug = match_known_bug(repro, ctx.masker.backend_version, ctx.grammar)
                 # Every failing token is counted; a few per state and bug keep their repro.
@@ -771,7 +843,7 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         rows.append(row)
         totals["states"] += 1
         for key in ("tokens_checked", "wrongly_allowed", "wrongly_blocked", "dead_end_tokens",
-                    "undecided"):
+                    "undecided", "refused_as_declared"):
             totals[key] += row[key]
         totals["skipped_tokens"] += row["skipped"]
         totals["control_allowed"] += row.get("control_allowed", 0)
@@ -788,17 +860,6 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
 #: Marks a refused token where the grammar forces the next text and the backend allows
 #: another tokenization of it: only a non-canonical split is refused (known bugs key on it).
 FORCED_TEXT_MARK = "forced text"
-
-
-def _forced_next_byte(ctx: CellContext, viable: np.ndarray) -> int | None:
-    """The byte every viable token starts with, if there is exactly one."""
-    firsts = {ctx.vocab.token_bytes[int(t)][0] for t in np.flatnonzero(viable)}
-    return firsts.pop() if len(firsts) == 1 else None
-
-
-def _allows_forced_split(ctx: CellContext, mask: np.ndarray, viable: np.ndarray) -> bool:
-    """Whether some allowed token is viable (a tokenization of the forced text is allowed)."""
-    return bool((mask & viable).any())
 
 
 def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: list[int],

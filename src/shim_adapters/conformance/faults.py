@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backends import BackendSpec
 from ..errors import ForbiddenTokenError
-from ..protocol import Masker, MaskerState, StateFeatures
+from ..protocol import Masker, MaskerState, StateFeatures, Tokenizations
 
 #: The defects that can be injected.
 FAULTS = {
@@ -34,6 +34,8 @@ FAULTS = {
                     "allowed at every state",
     "allow_control": "the tokenizer's chat-template control tokens are always allowed",
     "crash_late": "allowed_mask() raises after two tokens",
+    "declares_any_tokenization": "declares tokenizations=any whatever the backend does (a "
+                                 "wrong declaration on a canonical-in-forced-text backend)",
 }
 
 
@@ -135,8 +137,13 @@ class FaultyMasker(Masker):
         self.inner = inner
         self.fault = fault
         for name in ("grammar", "tokenizer", "vocab_size", "eos_token_ids", "backend_version",
-                     "grammar_formats", "feature_status"):
+                     "grammar_formats", "feature_status", "tokenizations"):
             setattr(self, name, getattr(inner, name))
+        if fault == "declares_any_tokenization":
+            if inner.tokenizations is Tokenizations.ANY:
+                raise ValueError("declares_any_tokenization needs a backend that declares "
+                                 "fewer tokenizations than any")
+            self.tokenizations = Tokenizations.ANY
         self.backend_name = f"{inner.backend_name}+{fault}"
         first = inner.new_state().allowed_mask()
         n = len(inner.tokenizer)

@@ -128,7 +128,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
                                and "pattern" not in n)),
     KnownBug(
         id="xgrammar-schema-escapes-refused", backend="xgrammar", versions=("0.2.9",),
-        check="completeness", kinds=("valid_token_refused",),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
         summary="XGrammar refuses escape sequences in JSON-schema strings with maxLength",
         repro="person.json, GPT-2: after '{\"name\":\"' the token '\\' (59) is refused "
               "though '{\"name\":\"\\n\",\"age\":7,\"role\":\"user\"}' is valid",
@@ -157,7 +157,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         id="outlines-core-schema-whitespace", backend="outlines",
         versions=("outlines_core 0.2.14",),
-        check="completeness", kinds=("valid_token_refused",),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
         summary="outlines_core's default whitespace pattern admits no newline between JSON "
                 "tokens (valid pretty-printed JSON is refused)",
         repro="person.json, GPT-2: after '{' the token '\\n' (198) is refused",
@@ -178,7 +178,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         id="outlines-core-regex-leaves-final-state", backend="outlines",
         versions=("outlines_core 0.2.14",),
-        check="completeness", kinds=("valid_token_refused",),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
         summary="outlines_core 0.2.14 refuses tokens that leave a final DFA state for a "
                 "non-final one (an optional suffix after a complete match; fixed upstream, "
                 "unreleased at 0.2.14, DESIGN.md)",
@@ -187,15 +187,6 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda r, g: g is not None and g.format == "regex"
         and _passes_final_state(g.text, r.prefix_text, r.token_text or ""),
         applies_to=lambda g: g.format == "regex" and "?" in g.text, expect_reproduced=False),
-    KnownBug(
-        id="llguidance-forced-text-canonical-only", backend="outlines",
-        versions=("llguidance 1.9.1",),
-        check="completeness", kinds=("valid_token_refused",),
-        summary="llguidance allows only the canonical (longest) token where the grammar forces "
-                "text, refusing shorter tokens that split the forced text (DESIGN.md)",
-        repro="json, shipped tokenizer: after 't' the token 'r' (82) is refused, 'rue' allowed",
-        matches=lambda r, g: "forced text" in r.detail,
-        applies_to=lambda g: g.format in ("lark", "ebnf"), expect_reproduced=False),
 )
 
 
@@ -215,7 +206,7 @@ def _passes_final_state(pattern: str, prefix: str, token: str) -> bool:
 def _partial_utf8_bug(backend: str, version: str) -> KnownBug:
     return KnownBug(
         id=f"shim-{backend}-partial-utf8-refused", backend=backend, versions=(version,),
-        check="completeness", kinds=("valid_token_refused", "refused_partial_utf8"),
+        check="completeness", kinds=("valid_token_refused", "refused_partial_utf8", "non_canonical_refused"),
         summary=f"our shim-{backend} plugin refuses partial-UTF-8 byte tokens inside JSON "
                 f"strings where the upstream processor allows them; {_PLUGIN_FIX}",
         repro="json, mistral-v1: after '[\"' the byte token <0xE4> is refused though "
