@@ -368,3 +368,24 @@ def test_llguidance_masker_declares_canonical_tokens_in_forced_text(gpt2, backen
     assert not mask[gpt2.convert_tokens_to_ids("he")]
     regex = backend.compile(Grammar(REGEX, "regex", "repro"), gpt2)
     assert regex.tokenizations is Tokenizations.ANY  # outlines_core admits every split
+
+
+def _byte_token(tokenizer, data: bytes) -> int:
+    from shim_adapters.conformance.vocab import Vocabulary
+
+    vocab = Vocabulary(tokenizer, len(tokenizer))
+    return next(i for i, b in enumerate(vocab.token_bytes) if b == data)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "outlines_core 0.2.14 (known bug outlines-core-schema-del-c1-refused): its schema-to-regex "
+    "string class [^\"\\\\\\x00-\\x1F\\x7F-\\x9F] refuses raw DEL and C1 controls, which RFC 8259 "
+    "allows unescaped. Minimal repro: schema {\"type\": \"string\"}, GPT-2: after '\"' and the "
+    "byte token <0xC2>, the byte token <0x85> (completing U+0085) is refused though "
+    "json.loads('\"\\u0085\"') spelled raw is a valid instance."))
+def test_outlines_core_allows_raw_c1_controls_in_schema_strings(gpt2, backend):
+    masker = backend.compile(Grammar('{"type": "string"}', "json_schema", "c1"), gpt2)
+    state = masker.new_state()
+    for t in (_byte_token(gpt2, b'"'), _byte_token(gpt2, b"\xc2")):
+        state.advance(t)
+    assert state.allowed_mask()[_byte_token(gpt2, b"\x85")]

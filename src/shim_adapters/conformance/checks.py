@@ -122,6 +122,42 @@ class CellContext:
             return None
 
     @property
+    def refusal_reference(self):
+        """The reference that judges refused tokens: the prefix reference, or for a JSON
+        schema its ordered reading (None, with ``refusal_note``, where it has none)."""
+        if not hasattr(self, "_refusal"):
+            from ..errors import UnsupportedGrammarError
+            from .prefix import refusal_checker
+
+            self.refusal_note = None
+            try:
+                self._refusal = refusal_checker(self.grammar)
+                if self._refusal is None:
+                    self._refusal = self.prefix
+            except UnsupportedGrammarError as exc:
+                self._refusal, self.refusal_note = None, str(exc)
+        return self._refusal
+
+    def viable_for_refusal(self, data: bytes) -> bool | None:
+        """Whether output bytes certainly start a valid string (None: undecided): refusing a
+        token is wrong only where this is True."""
+        ref = self.refusal_reference
+        if ref is self.prefix:
+            return self.viable(data)
+        if ref is None or self.viable(data) is False:
+            return None if ref is None else False
+        try:
+            text, tail = decode_prefix(data)
+        except UnicodeDecodeError:
+            return False
+        if tail:
+            return None
+        try:
+            return True if ref.viable(text) else None
+        except PrefixUndecided:
+            return None
+
+    @property
     def has_unfinishable_rules(self) -> bool:
         analysis = getattr(self.prefix, "analysis", None)
         return bool(analysis is not None and analysis.dropped_rules)
@@ -150,12 +186,19 @@ class CellContext:
 
     def repro(self, check: str, kind: str, prefix_ids: Sequence[int], token_id: int | None,
               detail: str) -> Repro:
+        added = None
+        if token_id is not None:
+            try:
+                tail = decode_prefix(self.data(prefix_ids))[1]
+                added = decode_prefix(tail + (self.vocab.token_bytes[int(token_id)] or b""))[0]
+            except (UnicodeDecodeError, IndexError):
+                added = None
         return Repro(check=check, kind=kind, backend=self.masker.backend_name,
                      tokenizer=self.tokenizer_name, grammar=self.grammar.name,
                      prefix_text=self.text(prefix_ids), prefix_token_ids=[int(i) for i in prefix_ids],
                      token_id=None if token_id is None else int(token_id),
                      token_text=None if token_id is None else self.vocab.text_of(int(token_id)),
-                     detail=detail)
+                     detail=detail, added_text=added)
 
     def fail(self, result: CheckResult, repro: Repro) -> None:
         result.add_failure(repro, match_known_bug(repro, self.masker.backend_version,
@@ -728,14 +771,18 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         sound.notes.append(f"exhaustive mask check not run: {why}")
         return
     states = exhaustive_states(ctx)
-    # A JSON schema's prefix reference is JSON syntax (an over-approximation): a token it
-    # calls viable may break the schema, so refusals cannot be judged token by token there.
-    judge_blocked = ctx.grammar.format != "json_schema"
+    # Refusals are judged by the refusal reference (for a JSON schema its ordered reading,
+    # an under-approximation); without one, only allowed tokens are judged token by token.
+    blocking = ctx.refusal_reference
+    judge_blocked = blocking is not None
+    for note in getattr(ctx.prefix, "notes", []):
+        sound.notes.append(note)
+    if blocking is not None and blocking is not ctx.prefix:
+        summary["refusals_judged_by"] = "the schema's ordered reading (members in schema order)"
     if not judge_blocked:
-        summary["blocked_not_judged"] = "JSON schema: the prefix reference is JSON syntax only"
-        comp.notes.append("exhaustive check judges only allowed tokens for a JSON schema (its "
-                          "prefix reference is JSON syntax); refusals are judged on generated "
-                          "valid strings")
+        summary["blocked_not_judged"] = ctx.refusal_note
+        comp.notes.append(f"exhaustive check judges only allowed tokens: {ctx.refusal_note}; "
+                          "refusals are judged on generated valid strings")
     elif ctx.tokenizations is Tokenizations.CANONICAL:
         judge_blocked = False
         summary["blocked_not_judged"] = "the backend declares tokenizations=canonical"
@@ -760,11 +807,15 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         ctx.mask_calls += 1
         data = ctx.data(ids)
         verdicts = reference_verdicts(ctx.prefix, data, ctx.vocab, deadline).verdicts[:width]
+        if judge_blocked and blocking is not ctx.prefix:
+            certain = reference_verdicts(blocking, data, ctx.vocab, deadline).verdicts[:width]
+        else:
+            certain = verdicts
         txt = ctx.is_text
         decided_allowed = txt & mask & ((verdicts == VIABLE) | (verdicts == DEAD))
         wrong_allowed = np.flatnonzero(txt & mask & (verdicts == DEAD))
-        wrong_blocked = np.flatnonzero(txt & ~mask & (verdicts == VIABLE))
-        viable = txt & (verdicts == VIABLE)
+        wrong_blocked = np.flatnonzero(txt & ~mask & (certain == VIABLE))
+        viable = txt & (certain == VIABLE)
         excused = 0
         if not judge_blocked:
             wrong_blocked = wrong_blocked[:0]
@@ -870,9 +921,10 @@ def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: l
         if state is None or state.is_finished:
             return False
         allowed = bool(state.allowed_mask()[token])
-        verdict = ctx.viable(ctx.data(sub) + (ctx.vocab.token_bytes[token] or b""))
+        data = ctx.data(sub) + (ctx.vocab.token_bytes[token] or b"")
         if kind == "valid_token_refused":
-            return not allowed and verdict is True
+            return not allowed and ctx.viable_for_refusal(data) is True
+        verdict = ctx.viable(data)
         if kind == "no_finite_completion":
             return allowed and verdict is False and ctx.syntactically_viable(
                 ctx.data(sub) + ctx.vocab.token_bytes[token])

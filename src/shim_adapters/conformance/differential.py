@@ -2,8 +2,10 @@
 
 Walks follow tokens every backend allows (valid strings under their canonical tokenization,
 then random walks over the intersection). At each step every token one backend allows and
-another refuses is adjudicated by the prefix reference: a viable extension means the refusing
-backends are incomplete there; a non-viable one means the allowing backends are unsound.
+another refuses is adjudicated by the full reference (for a JSON schema, the schema itself in
+its two readings, :mod:`.schema_reference`): an extension that certainly starts a valid string
+means the refusing backends are incomplete there; a non-viable one means the allowing backends
+are unsound; anything else is undecided, never an alarm.
 Each disagreement is kept at its shortest prefix (its first step along any walk).
 """
 
@@ -70,7 +72,7 @@ def _walk(contexts, planned, rng, result: DifferentialResult, best: dict) -> Non
             pick = differ if len(differ) <= p.differential_tokens_per_step else \
                 rng.sample(list(differ), p.differential_tokens_per_step)
             for t in pick:
-                verdict = ref.viable(data + (ref.vocab.token_bytes[int(t)] or b""))
+                verdict = _adjudicate(ref, data + (ref.vocab.token_bytes[int(t)] or b""))
                 _record(contexts, masks[:, t], int(t), verdict, ids, result, best)
         if len(set(eos)) > 1:
             result.disagreements += 1
@@ -89,6 +91,15 @@ def _walk(contexts, planned, rng, result: DifferentialResult, best: dict) -> Non
         for s in states:
             s.advance(int(t))
         ids.append(int(t))
+
+
+def _adjudicate(ref: CellContext, data: bytes) -> bool | None:
+    """False: certainly not viable (the allowing backends are unsound); True: certainly the
+    start of a valid string (the refusing ones are incomplete); None: the references cannot
+    tell (for a JSON schema, viable only in some member order or spelling)."""
+    if ref.viable(data) is False:
+        return False
+    return ref.viable_for_refusal(data)
 
 
 def _record(contexts, allowed_by: np.ndarray, token: int | None, verdict: bool | None,

@@ -73,6 +73,9 @@ class Repro:
     detail: str
     #: Id of the known upstream bug this failure matches (then it is an xfail, not a fail).
     known_bug: str | None = None
+    #: The characters the token completes (with the prefix's unfinished UTF-8 bytes), when
+    #: they decode: what a byte token inside a character really adds.
+    added_text: str | None = None
 
     def one_line(self) -> str:
         tok = "EOS" if self.token_id is None else f"{self.token_id} {self.token_text!r}"
