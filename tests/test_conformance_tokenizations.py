@@ -97,3 +97,15 @@ def test_a_canonical_only_declaration_is_judged_on_canonical_strings_only():
     assert "canonical" in cell.checks["soundness"].info["exhaustive"]["blocked_not_judged"]
     assert any("recorded, not judged" in n for n in comp.notes)
     assert comp.passed > 0  # canonical tokenizations of valid strings are still judged
+
+
+def test_the_differential_counts_declared_refusals_apart():
+    from shim_adapters.conformance.differential import differential
+
+    ctxs = [_context(b, "bv4") for b in ("xgrammar", "outlines")]
+    for c in ctxs:
+        c.profile = get_profile("fast", differential_walks=2)
+    result = differential(ctxs)
+    outlines = result.verdicts["outlines"]
+    assert outlines["incomplete"] == 0 and outlines["refused_as_declared"] > 0, result.verdicts
+    assert all(r["refused_by"] != ["outlines"] for r in result.repros if r["verdict"] == "viable")

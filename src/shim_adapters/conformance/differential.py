@@ -17,10 +17,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..protocol import Masker
+from ..protocol import Masker, Tokenizations
 from .checks import CellContext
 from .generate import valid_strings
 from .report import DifferentialResult
+from .tokenizations import excused_split
 
 
 def differential(contexts: Sequence[CellContext]) -> DifferentialResult:
@@ -73,7 +74,9 @@ def _walk(contexts, planned, rng, result: DifferentialResult, best: dict) -> Non
                 rng.sample(list(differ), p.differential_tokens_per_step)
             for t in pick:
                 verdict = _adjudicate(ref, data + (ref.vocab.token_bytes[int(t)] or b""))
-                _record(contexts, masks[:, t], int(t), verdict, ids, result, best)
+                declared = _refused_as_declared(contexts, masks, int(t), data) if verdict \
+                    else set()
+                _record(contexts, masks[:, t], int(t), verdict, ids, result, best, declared)
         if len(set(eos)) > 1:
             result.disagreements += 1
             _record(contexts, np.array(eos), None, ref.accepts(ids), ids, result, best)
@@ -102,8 +105,20 @@ def _adjudicate(ref: CellContext, data: bytes) -> bool | None:
     return ref.viable_for_refusal(data)
 
 
+def _refused_as_declared(contexts, masks: np.ndarray, token: int, data: bytes) -> set[str]:
+    """Backends refusing ``token`` as their tokenizations declaration says they may (a
+    split of forced text, another split allowed): not incomplete."""
+    out = set()
+    for c, row in zip(contexts, masks):
+        if not row[token] and c.tokenizations is Tokenizations.CANONICAL_IN_FORCED_TEXT \
+                and excused_split(c, c.forced, data, token, row):
+            out.add(c.masker.backend_name)
+    return out
+
+
 def _record(contexts, allowed_by: np.ndarray, token: int | None, verdict: bool | None,
-            ids: list[int], result: DifferentialResult, best: dict) -> None:
+            ids: list[int], result: DifferentialResult, best: dict,
+            declared: set[str] = frozenset()) -> None:
     ref = contexts[0]
     names = [c.masker.backend_name for c in contexts]
     yes = [n for n, a in zip(names, allowed_by) if a]
@@ -114,7 +129,11 @@ def _record(contexts, allowed_by: np.ndarray, token: int | None, verdict: bool |
             result.verdicts[n]["undecided"] += 1
     elif verdict:
         for n in no:
-            result.verdicts[n]["incomplete"] += 1
+            key = "refused_as_declared" if n in declared else "incomplete"
+            result.verdicts[n][key] = result.verdicts[n].get(key, 0) + 1
+        no = [n for n in no if n not in declared]
+        if not no:
+            return
     else:
         for n in yes:
             result.verdicts[n]["unsound"] += 1

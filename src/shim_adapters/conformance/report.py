@@ -298,8 +298,11 @@ class Report:
                       "| tokenizer | grammar | backends | steps | tokens | disagreements | "
                       "verdicts (unsound/incomplete/undecided) |", "|---|---|---|---|---|---|---|"]
             for d in self.differential:
-                verdicts = "; ".join(f"{b}: {v['unsound']}/{v['incomplete']}/{v['undecided']}"
-                                     for b, v in d.verdicts.items())
+                verdicts = "; ".join(
+                    f"{b}: {v['unsound']}/{v['incomplete']}/{v['undecided']}"
+                    + (f" (+{v['refused_as_declared']} refused as declared)"
+                       if v.get("refused_as_declared") else "")
+                    for b, v in d.verdicts.items())
                 lines.append(f"| {d.tokenizer} | {d.grammar} | {', '.join(d.backends)} | "
                              f"{d.steps} | {d.tokens_compared} | {d.disagreements} | {verdicts} |")
         failures = [(cell, check, r) for cell in self.cells for check in cell.checks.values()
