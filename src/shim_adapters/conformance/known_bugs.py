@@ -86,6 +86,28 @@ def _inside_json_string(text: str) -> bool:
     return count % 2 == 1
 
 
+def _outside_strings(prefix: str, added: str) -> str:
+    """The prefix's last character and the token's text, keeping only what lies outside JSON
+    string literals (a token '"\\n' after '{"name' closes the key, then writes a newline)."""
+    inside = _inside_json_string(prefix)
+    escaped = False
+    out = [prefix[-1:]] if prefix and not inside else []
+    for ch in added:
+        if inside:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                inside = False
+        elif ch == '"':
+            inside = True
+            out.append("|")  # a string literal separates whitespace runs
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def _json_whitespace_beyond_one_space(token_text: str) -> bool:
     """The token has JSON whitespace other than single spaces (a newline, tab, CR, a run)."""
     return any(c in token_text for c in "\n\t\r") or "  " in token_text
@@ -233,8 +255,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         repro="person.json, GPT-2: after '{' the token '\\n' (198) is refused; shipped "
               "tokenizer: after '{' the tokens '\\t' (198), '\\r' (202), '  ' (486)",
         matches=lambda r, g: _is_schema_repro(r) and _json_whitespace_beyond_one_space(
-            r.prefix_text[-1:] + (r.added_text or r.token_text or ""))
-        and not _inside_json_string(r.prefix_text),
+            _outside_strings(r.prefix_text, r.added_text or r.token_text or "")),
         applies_to=_schema_has(lambda n: n.get("type") == "object")),
     KnownBug(
         id="outlines-core-schema-whitespace-edge", backend="outlines",
