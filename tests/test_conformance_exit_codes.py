@@ -199,3 +199,28 @@ def test_contract_runs_on_every_format_a_backend_declares():
         names = contract_grammars(backend)
         assert {FORMAT_GRAMMARS[n].format for n in names if n in FORMAT_GRAMMARS} == \
             formats - {"lark"}
+
+
+def test_feature_status_is_registered_per_format_and_checked_per_masker():
+    """shim-outlines compiles regex/JSON schema with outlines_core and CFGs with llguidance:
+    its registration says so per format, so every masker matches its own registration, and
+    a masker that declares another status than its format's registration still fails."""
+    from shim_adapters.backends import BackendSpec
+    from shim_adapters.contract import (KNOWN_CONTRACT_VIOLATIONS, ContractViolation,
+                                        check_features_match_status, contract_masker)
+    from shim_adapters.protocol import FeatureStatus
+
+    spec = get_backend("outlines")
+    assert not KNOWN_CONTRACT_VIOLATIONS
+    for grammar in ("regex:semver", "json_schema:point", "json"):
+        masker = contract_masker("outlines", grammar)
+        assert dict(masker.feature_status) == dict(spec.feature_status_for(masker.grammar.format))
+        check_features_match_status(masker, spec)
+    assert spec.feature_status_for("regex")["parser_state"] is FeatureStatus.MISSING
+    assert spec.feature_status_for("lark")["parser_state"] is FeatureStatus.DERIVED
+    wrong = BackendSpec(**{**spec.__dict__, "feature_status_by_format": {}})
+    with pytest.raises(ContractViolation, match="registered for regex"):
+        check_features_match_status(contract_masker("outlines", "regex:semver"), wrong)
+    with pytest.raises(ValueError, match="formats it does not take"):
+        BackendSpec(**{**spec.__dict__, "feature_status_by_format": {
+            "sql": dict(spec.feature_status)}})

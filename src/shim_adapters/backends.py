@@ -19,7 +19,10 @@ class BackendSpec:
     ``schema_support`` declares, per JSON-schema construct (keyword, or ``pattern:lookaround``
     ...), a :class:`~shim_adapters.capability.Support` value; undeclared keywords count as
     checked only after generation. ``native_formats`` are the formats compiled without
-    conversion (default: all of ``grammar_formats``).
+    conversion (default: all of ``grammar_formats``). ``feature_status_by_format`` overrides
+    ``feature_status`` for the formats a backend compiles with another engine (shim-outlines:
+    outlines_core for regex/JSON schema, llguidance for CFGs); :meth:`feature_status_for`
+    gives the status a masker of one format must declare.
     """
 
     name: str
@@ -30,15 +33,29 @@ class BackendSpec:
     description: str = ""
     schema_support: Mapping[str, str] = field(default_factory=dict)
     native_formats: tuple[str, ...] | None = None
+    feature_status_by_format: Mapping[str, Mapping[str, FeatureStatus]] = field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = set(self.feature_status) - set(FEATURE_NAMES)
-        if unknown:
-            raise ValueError(f"backend {self.name!r} declares unknown features {sorted(unknown)}")
-        missing = set(FEATURE_NAMES) - set(self.feature_status)
-        if missing:
-            raise ValueError(f"backend {self.name!r} must declare a status for {sorted(missing)}"
-                             " (use FeatureStatus.MISSING)")
+        for where, status in [("", self.feature_status),
+                              *((f" for {f}", s) for f, s in
+                                self.feature_status_by_format.items())]:
+            unknown = set(status) - set(FEATURE_NAMES)
+            if unknown:
+                raise ValueError(f"backend {self.name!r} declares unknown features{where} "
+                                 f"{sorted(unknown)}")
+            missing = set(FEATURE_NAMES) - set(status)
+            if missing:
+                raise ValueError(f"backend {self.name!r} must declare a status{where} for "
+                                 f"{sorted(missing)} (use FeatureStatus.MISSING)")
+        stray = set(self.feature_status_by_format) - set(self.grammar_formats)
+        if stray:
+            raise ValueError(f"backend {self.name!r} declares feature status for formats it "
+                             f"does not take: {sorted(stray)}")
+
+    def feature_status_for(self, grammar_format: str) -> Mapping[str, FeatureStatus]:
+        """The feature status a masker compiled from ``grammar_format`` declares."""
+        return self.feature_status_by_format.get(grammar_format, self.feature_status)
 
     def capability(self, grammar: Grammar):
         """Per-construct support of ``grammar`` on this backend (see :mod:`.capability`)."""

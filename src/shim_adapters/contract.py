@@ -54,13 +54,9 @@ FORMAT_GRAMMARS: dict[str, Grammar] = {
 
 #: Contract violations of our own plugins found by the per-format grammars, with the reason:
 #: the pytest entry marks them xfail (strict: a fix shows as XPASS and fails, so the entry
-#: goes). Keyed by (backend, grammar).
-KNOWN_CONTRACT_VIOLATIONS: dict[tuple[str, str], str] = {
-    (backend, grammar): "shim-outlines registers one feature_status (its llguidance CFG path: "
-    "all derived) but its outlines_core regex/schema masker declares parser_state and "
-    "partial_lexeme missing, lexer_state exact: features_match_status fails (plugin owner)"
-    for backend in ("outlines",) for grammar in ("regex:semver", "json_schema:point")
-}
+#: goes). Keyed by (backend, grammar). Empty: shim-outlines now registers its feature status
+#: per format (``BackendSpec.feature_status_by_format``).
+KNOWN_CONTRACT_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 def contract_grammars(backend: str) -> tuple[str, ...]:
@@ -281,10 +277,11 @@ def check_features_match_status(masker: Masker, spec: BackendSpec | None = None,
     _require(set(status) == set(FEATURE_NAMES),
              f"feature_status declares {sorted(status)}, expected {sorted(FEATURE_NAMES)}")
     if spec is not None:
-        _require({k: FeatureStatus(v) for k, v in spec.feature_status.items()}
+        registered = spec.feature_status_for(masker.grammar.format)
+        _require({k: FeatureStatus(v) for k, v in registered.items()}
                  == {k: FeatureStatus(v) for k, v in status.items()},
-                 f"masker.feature_status {status} differs from the registered "
-                 f"{dict(spec.feature_status)}")
+                 f"masker.feature_status {status} differs from the status registered for "
+                 f"{masker.grammar.format} grammars {dict(registered)}")
     types = {"parser_state": tuple, "lexer_state": frozenset, "partial_lexeme": str}
     for state in _states_along_walk(masker, seed):
         feats = state.features()

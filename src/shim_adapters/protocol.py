@@ -32,6 +32,23 @@ class FeatureStatus(str, enum.Enum):
     MISSING = "missing"  #: not available; the feature is absent (None) in every state
 
 
+class Tokenizations(str, enum.Enum):
+    """Which tokenizations of allowed text a backend's mask admits (declared per masker).
+
+    An LM may spell a string with any of its token splits; a masker that admits only some is
+    not wrong if it says so, and the conformance suite judges each declaration against what
+    the mask does (``shim_adapters.conformance``).
+    """
+
+    #: Every token whose bytes extend the output to a viable prefix is allowed.
+    ANY = "any"
+    #: Where the grammar forces the next text, only its canonical tokenization is allowed
+    #: (a shorter or otherwise split token of the forced text is refused); anywhere else, any.
+    CANONICAL_IN_FORCED_TEXT = "canonical_in_forced_text"
+    #: Only canonical tokenizations of the output are guaranteed to be allowed.
+    CANONICAL = "canonical"
+
+
 #: The state features of DESIGN.md section 2, in a fixed order.
 FEATURE_NAMES: tuple[str, ...] = ("parser_state", "lexer_state", "partial_lexeme")
 
@@ -166,6 +183,8 @@ class Masker(abc.ABC):
     grammar_formats: tuple[str, ...]
     #: Per feature in FEATURE_NAMES: how this backend provides it.
     feature_status: Mapping[str, FeatureStatus]
+    #: Which tokenizations of allowed text the mask admits; judged by the conformance suite.
+    tokenizations: Tokenizations = Tokenizations.ANY
 
     grammar: Grammar
     tokenizer: object

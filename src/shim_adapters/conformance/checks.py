@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ForbiddenTokenError, ShimError
 from ..grammar import Grammar
-from ..protocol import Masker, MaskerState
+from ..protocol import Masker, MaskerState, Tokenizations
 from ..reference import reference_acceptor
 from .generate import valid_strings
 from .grammar_analysis import grammar_diagnostics
@@ -25,6 +25,7 @@ from .known_bugs import match_known_bug
 from .prefix import LarkPrefixChecker, PrefixUndecided
 from .profiles import Profile
 from .report import CheckResult, Repro
+from .tokenizations import ForcedText, declared_tokenizations, excused_split
 from .vocab import Vocabulary, decode_prefix
 
 _CLOSERS = frozenset(b")]};\"'")
@@ -80,6 +81,8 @@ class CellContext:
                 1 if not chars & _OPENERS else 2
             self.finish_rank[i] = rank * 1000 + min(len(b), 999)
         self.np_rng = np.random.default_rng(self.profile.seed)
+        self.tokenizations = declared_tokenizations(self.masker)
+        self.forced = ForcedText(self)
 
     def sample(self, ids: np.ndarray, k: int) -> list[int]:
         """Up to ``k`` distinct ids drawn from ``ids``."""
@@ -119,6 +122,42 @@ class CellContext:
             return None
 
     @property
+    def refusal_reference(self):
+        """The reference that judges refused tokens: the prefix reference, or for a JSON
+        schema its ordered reading (None, with ``refusal_note``, where it has none)."""
+        if not hasattr(self, "_refusal"):
+            from ..errors import UnsupportedGrammarError
+            from .prefix import refusal_checker
+
+            self.refusal_note = None
+            try:
+                self._refusal = refusal_checker(self.grammar)
+                if self._refusal is None:
+                    self._refusal = self.prefix
+            except UnsupportedGrammarError as exc:
+                self._refusal, self.refusal_note = None, str(exc)
+        return self._refusal
+
+    def viable_for_refusal(self, data: bytes) -> bool | None:
+        """Whether output bytes certainly start a valid string (None: undecided): refusing a
+        token is wrong only where this is True."""
+        ref = self.refusal_reference
+        if ref is self.prefix:
+            return self.viable(data)
+        if ref is None or self.viable(data) is False:
+            return None if ref is None else False
+        try:
+            text, tail = decode_prefix(data)
+        except UnicodeDecodeError:
+            return False
+        if tail:
+            return None
+        try:
+            return True if ref.viable(text) else None
+        except PrefixUndecided:
+            return None
+
+    @property
     def has_unfinishable_rules(self) -> bool:
         analysis = getattr(self.prefix, "analysis", None)
         return bool(analysis is not None and analysis.dropped_rules)
@@ -147,12 +186,19 @@ class CellContext:
 
     def repro(self, check: str, kind: str, prefix_ids: Sequence[int], token_id: int | None,
               detail: str) -> Repro:
+        added = None
+        if token_id is not None:
+            try:
+                tail = decode_prefix(self.data(prefix_ids))[1]
+                added = decode_prefix(tail + (self.vocab.token_bytes[int(token_id)] or b""))[0]
+            except (UnicodeDecodeError, IndexError):
+                added = None
         return Repro(check=check, kind=kind, backend=self.masker.backend_name,
                      tokenizer=self.tokenizer_name, grammar=self.grammar.name,
                      prefix_text=self.text(prefix_ids), prefix_token_ids=[int(i) for i in prefix_ids],
                      token_id=None if token_id is None else int(token_id),
                      token_text=None if token_id is None else self.vocab.text_of(int(token_id)),
-                     detail=detail)
+                     detail=detail, added_text=added)
 
     def fail(self, result: CheckResult, repro: Repro) -> None:
         result.add_failure(repro, match_known_bug(repro, self.masker.backend_version,
@@ -405,7 +451,9 @@ def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound:
                           "(generator vs Earley lexing) and not used")
     if not strings:
         comp.notes.append("the generator produced no valid string for this grammar")
-    claims = bool(getattr(ctx.masker, "supports_non_canonical", False))
+    declared = ctx.tokenizations
+    judged = declared is not Tokenizations.CANONICAL
+    comp.info["tokenizations_declared"] = declared.value
     noncanon: dict[str, list[int]] = {}
     categories = {"leading_space": [0, 0], "multi_terminal": [0, 0], "partial_utf8": [0, 0],
                   "three_plus_terminals": [0, 0]}
@@ -449,18 +497,70 @@ def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound:
                 continue
             refused, eos_end, _ = _follow(ctx, ids)
             ok = refused is None and eos_end
-            stats = noncanon.setdefault(kind, [0, 0])
-            stats[0 if ok else 1] += 1
-            if not ok and claims:
-                ctx.fail(comp, ctx.repro("completeness", f"non_canonical_refused:{kind}",
-                                         ids[:refused or 0], None if refused is None else ids[refused],
-                                         "backend claims non-canonical support"))
-    comp.info["non_canonical_accepted_refused"] = noncanon
-    if noncanon and not claims:
+            excused = not ok and _excused_refusal(ctx, ids, refused)
+            stats = noncanon.setdefault(kind, [0, 0, 0])
+            stats[0 if ok else 2 if excused else 1] += 1
+            if not judged:
+                continue
+            if ok or excused:
+                comp.passed += 1
+                continue
+            _report_non_canonical(ctx, comp, s, kind, ids, refused)
+    comp.info["non_canonical_accepted_refused_excused"] = noncanon
+    if noncanon and not judged:
         comp.notes.append("non-canonical tokenizations are recorded, not judged (the backend "
-                          "does not claim to accept them): " + ", ".join(
-                              f"{k} {a} accepted / {r} refused" for k, (a, r) in noncanon.items()))
+                          "declares tokenizations=canonical): " + ", ".join(
+                              f"{k} {a} accepted / {r} refused"
+                              for k, (a, r, _) in noncanon.items()))
+    excused_total = sum(e for _, _, e in noncanon.values())
+    if excused_total:
+        comp.notes.append(f"{excused_total} non-canonical tokenizations refused inside text the "
+                          f"grammar forces, as the backend declares (tokenizations="
+                          f"{declared.value}): not failures")
     edges.info["categories_seen_refused"] = categories
+
+
+def _excused_refusal(ctx: CellContext, ids: list[int], refused: int | None) -> bool:
+    """A refusal the backend's tokenizations declaration covers (a split of forced text)."""
+    if refused is None or ctx.tokenizations is not Tokenizations.CANONICAL_IN_FORCED_TEXT:
+        return False
+    state = ctx.replay(ids[:refused])
+    return state is not None and excused_split(ctx, ctx.forced, ctx.data(ids[:refused]),
+                                               int(ids[refused]),
+                                               np.asarray(state.allowed_mask()))
+
+
+_SEGMENTERS = {"char_by_char": lambda v, s: v.char_by_char(s),
+               "bytewise_utf8": lambda v, s: v.bytewise(s)}
+
+
+def _report_non_canonical(ctx: CellContext, comp: CheckResult, s: str, kind: str,
+                          ids: list[int], refused: int | None) -> None:
+    """A non-canonical tokenization of a valid string refused (a deterministic segmentation
+    is shrunk with its string first)."""
+    segment = _SEGMENTERS.get(kind)
+    if segment is not None:
+        def fails(chars: list) -> bool:
+            text = "".join(chars)
+            if not text or not ctx.reference.accepts(text):
+                return False
+            seq = segment(ctx.vocab, text)
+            if seq is None:
+                return False
+            r, eos_end, _ = _follow(ctx, seq)
+            return not (r is None and eos_end) and not _excused_refusal(ctx, seq, r)
+
+        short = "".join(minimise(list(s), fails, ctx.profile.minimise_budget))
+        seq = segment(ctx.vocab, short) if short else None
+        if seq is not None and fails(list(short)):
+            s, ids = short, seq
+            refused = _follow(ctx, ids)[0]
+    where = "EOS refused at its end" if refused is None else f"refused at token {refused}"
+    ctx.fail(comp, ctx.repro("completeness", "non_canonical_refused",
+                             ids if refused is None else ids[:refused],
+                             None if refused is None else ids[refused],
+                             f"{kind} tokenization of the valid string {s!r} {where}; the "
+                             f"backend declares tokenizations={ctx.tokenizations.value}"))
 
 
 def _categorise(ctx: CellContext, s: str, ids: list[int], refused: int | None,
@@ -671,19 +771,30 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         sound.notes.append(f"exhaustive mask check not run: {why}")
         return
     states = exhaustive_states(ctx)
-    # A JSON schema's prefix reference is JSON syntax (an over-approximation): a token it
-    # calls viable may break the schema, so refusals cannot be judged token by token there.
-    judge_blocked = ctx.grammar.format != "json_schema"
+    # Refusals are judged by the refusal reference (for a JSON schema its ordered reading,
+    # an under-approximation); without one, only allowed tokens are judged token by token.
+    blocking = ctx.refusal_reference
+    judge_blocked = blocking is not None
+    for note in getattr(ctx.prefix, "notes", []):
+        sound.notes.append(note)
+    if blocking is not None and blocking is not ctx.prefix:
+        summary["refusals_judged_by"] = "the schema's ordered reading (members in schema order)"
     if not judge_blocked:
-        summary["blocked_not_judged"] = "JSON schema: the prefix reference is JSON syntax only"
-        comp.notes.append("exhaustive check judges only allowed tokens for a JSON schema (its "
-                          "prefix reference is JSON syntax); refusals are judged on generated "
-                          "valid strings")
+        summary["blocked_not_judged"] = ctx.refusal_note
+        comp.notes.append(f"exhaustive check judges only allowed tokens: {ctx.refusal_note}; "
+                          "refusals are judged on generated valid strings")
+    elif ctx.tokenizations is Tokenizations.CANONICAL:
+        judge_blocked = False
+        summary["blocked_not_judged"] = "the backend declares tokenizations=canonical"
+        comp.notes.append("exhaustive check judges only allowed tokens: the backend declares "
+                          "canonical tokenizations only, so refusals are judged on canonical "
+                          "tokenizations of generated valid strings")
     t0 = time.perf_counter()
     deadline = t0 + p.exhaustive_budget_s
     rows = []
     totals = dict(states=0, tokens_checked=0, wrongly_allowed=0, wrongly_blocked=0,
-                  dead_end_tokens=0, control_allowed=0, undecided=0, skipped_tokens=0)
+                  dead_end_tokens=0, control_allowed=0, undecided=0, skipped_tokens=0,
+                  refused_as_declared=0)
     minimised: set[str] = set()
     width = ctx.masker.vocab_size
     for n_done, ids in enumerate(states):
@@ -696,21 +807,33 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         ctx.mask_calls += 1
         data = ctx.data(ids)
         verdicts = reference_verdicts(ctx.prefix, data, ctx.vocab, deadline).verdicts[:width]
+        if judge_blocked and blocking is not ctx.prefix:
+            certain = reference_verdicts(blocking, data, ctx.vocab, deadline).verdicts[:width]
+        else:
+            certain = verdicts
         txt = ctx.is_text
         decided_allowed = txt & mask & ((verdicts == VIABLE) | (verdicts == DEAD))
         wrong_allowed = np.flatnonzero(txt & mask & (verdicts == DEAD))
-        wrong_blocked = np.flatnonzero(txt & ~mask & (verdicts == VIABLE))
-        viable = txt & (verdicts == VIABLE)
+        wrong_blocked = np.flatnonzero(txt & ~mask & (certain == VIABLE))
+        viable = txt & (certain == VIABLE)
+        excused = 0
         if not judge_blocked:
             wrong_blocked = wrong_blocked[:0]
+        elif len(wrong_blocked) and ctx.tokenizations is Tokenizations.CANONICAL_IN_FORCED_TEXT:
+            keep = [t for t in wrong_blocked
+                    if not excused_split(ctx, ctx.forced, data, int(t), mask)]
+            excused = len(wrong_blocked) - len(keep)
+            wrong_blocked = np.array(keep, dtype=np.int64)
         row = dict(prefix=ctx.text(ids)[-80:], prefix_tokens=len(ids),
                    tokens_checked=int((txt & (verdicts >= 0)).sum()),
                    undecided=int((txt & (verdicts == UNDECIDED)).sum()),
                    skipped=int((txt & (verdicts == SKIPPED)).sum()),
                    allowed=int((txt & mask).sum()), viable=int(viable.sum()),
-                   wrongly_allowed=0, dead_end_tokens=0, wrongly_blocked=int(len(wrong_blocked)))
+                   wrongly_allowed=0, dead_end_tokens=0, wrongly_blocked=int(len(wrong_blocked)),
+                   refused_as_declared=excused)
         sound.passed += int(decided_allowed.sum()) - len(wrong_allowed)
-        comp.passed += int(viable.sum()) - len(wrong_blocked)
+        if judge_blocked:
+            comp.passed += int((viable & mask).sum())
         dead_ends, unsound = [], []
         for t in wrong_allowed:
             t = int(t)
@@ -733,15 +856,15 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
                              key=lambda t: (len(ctx.vocab.token_bytes[t] or b""), t))
             row[f"shortest_{kind}"] = [ordered[0], ctx.vocab.text_of(ordered[0])]
             first_unknown = None
-            forced = _forced_next_byte(ctx, viable) if kind == "valid_token_refused" else None
-            # The backend allows some tokenization of the forced text (another split of it).
-            forced_split = forced is not None and _allows_forced_split(ctx, mask, viable)
             kept: dict[str | None, int] = {}
             for t in ordered:
                 why = detail
-                if forced_split:
-                    why = detail + f"; {FORCED_TEXT_MARK}: the grammar forces the next text " \
-                        "and the backend allows another split of it"
+                if kind == "valid_token_refused" and \
+                        ctx.tokenizations is Tokenizations.ANY and \
+                        excused_split(ctx, ctx.forced, data, t, mask):
+                    why = detail + f"; {FORCED_TEXT_MARK}: only a split of text the grammar " \
+                        "forces is refused, another split is allowed (the backend declares " \
+                        "tokenizations=any; canonical_in_forced_text would cover this)"
                 repro = ctx.repro(check.name, kind, ids, t, why)
                 bug = match_known_bug(repro, ctx.masker.backend_version, ctx.grammar)
                 # Every failing token is counted; a few per state and bug keep their repro.
@@ -771,7 +894,7 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
         rows.append(row)
         totals["states"] += 1
         for key in ("tokens_checked", "wrongly_allowed", "wrongly_blocked", "dead_end_tokens",
-                    "undecided"):
+                    "undecided", "refused_as_declared"):
             totals[key] += row[key]
         totals["skipped_tokens"] += row["skipped"]
         totals["control_allowed"] += row.get("control_allowed", 0)
@@ -790,17 +913,6 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
 FORCED_TEXT_MARK = "forced text"
 
 
-def _forced_next_byte(ctx: CellContext, viable: np.ndarray) -> int | None:
-    """The byte every viable token starts with, if there is exactly one."""
-    firsts = {ctx.vocab.token_bytes[int(t)][0] for t in np.flatnonzero(viable)}
-    return firsts.pop() if len(firsts) == 1 else None
-
-
-def _allows_forced_split(ctx: CellContext, mask: np.ndarray, viable: np.ndarray) -> bool:
-    """Whether some allowed token is viable (a tokenization of the forced text is allowed)."""
-    return bool((mask & viable).any())
-
-
 def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: list[int],
                          token: int, detail: str) -> None:
     """Replace the first failure of ``kind`` by one with the fewest prefix tokens."""
@@ -809,9 +921,10 @@ def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: l
         if state is None or state.is_finished:
             return False
         allowed = bool(state.allowed_mask()[token])
-        verdict = ctx.viable(ctx.data(sub) + (ctx.vocab.token_bytes[token] or b""))
+        data = ctx.data(sub) + (ctx.vocab.token_bytes[token] or b"")
         if kind == "valid_token_refused":
-            return not allowed and verdict is True
+            return not allowed and ctx.viable_for_refusal(data) is True
+        verdict = ctx.viable(data)
         if kind == "no_finite_completion":
             return allowed and verdict is False and ctx.syntactically_viable(
                 ctx.data(sub) + ctx.vocab.token_bytes[token])

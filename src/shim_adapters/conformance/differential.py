@@ -2,8 +2,10 @@
 
 Walks follow tokens every backend allows (valid strings under their canonical tokenization,
 then random walks over the intersection). At each step every token one backend allows and
-another refuses is adjudicated by the prefix reference: a viable extension means the refusing
-backends are incomplete there; a non-viable one means the allowing backends are unsound.
+another refuses is adjudicated by the full reference (for a JSON schema, the schema itself in
+its two readings, :mod:`.schema_reference`): an extension that certainly starts a valid string
+means the refusing backends are incomplete there; a non-viable one means the allowing backends
+are unsound; anything else is undecided, never an alarm.
 Each disagreement is kept at its shortest prefix (its first step along any walk).
 """
 
@@ -15,10 +17,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..protocol import Masker
+from ..protocol import Masker, Tokenizations
 from .checks import CellContext
 from .generate import valid_strings
 from .report import DifferentialResult
+from .tokenizations import excused_split
 
 
 def differential(contexts: Sequence[CellContext]) -> DifferentialResult:
@@ -70,8 +73,10 @@ def _walk(contexts, planned, rng, result: DifferentialResult, best: dict) -> Non
             pick = differ if len(differ) <= p.differential_tokens_per_step else \
                 rng.sample(list(differ), p.differential_tokens_per_step)
             for t in pick:
-                verdict = ref.viable(data + (ref.vocab.token_bytes[int(t)] or b""))
-                _record(contexts, masks[:, t], int(t), verdict, ids, result, best)
+                verdict = _adjudicate(ref, data + (ref.vocab.token_bytes[int(t)] or b""))
+                declared = _refused_as_declared(contexts, masks, int(t), data) if verdict \
+                    else set()
+                _record(contexts, masks[:, t], int(t), verdict, ids, result, best, declared)
         if len(set(eos)) > 1:
             result.disagreements += 1
             _record(contexts, np.array(eos), None, ref.accepts(ids), ids, result, best)
@@ -91,8 +96,29 @@ def _walk(contexts, planned, rng, result: DifferentialResult, best: dict) -> Non
         ids.append(int(t))
 
 
+def _adjudicate(ref: CellContext, data: bytes) -> bool | None:
+    """False: certainly not viable (the allowing backends are unsound); True: certainly the
+    start of a valid string (the refusing ones are incomplete); None: the references cannot
+    tell (for a JSON schema, viable only in some member order or spelling)."""
+    if ref.viable(data) is False:
+        return False
+    return ref.viable_for_refusal(data)
+
+
+def _refused_as_declared(contexts, masks: np.ndarray, token: int, data: bytes) -> set[str]:
+    """Backends refusing ``token`` as their tokenizations declaration says they may (a
+    split of forced text, another split allowed): not incomplete."""
+    out = set()
+    for c, row in zip(contexts, masks):
+        if not row[token] and c.tokenizations is Tokenizations.CANONICAL_IN_FORCED_TEXT \
+                and excused_split(c, c.forced, data, token, row):
+            out.add(c.masker.backend_name)
+    return out
+
+
 def _record(contexts, allowed_by: np.ndarray, token: int | None, verdict: bool | None,
-            ids: list[int], result: DifferentialResult, best: dict) -> None:
+            ids: list[int], result: DifferentialResult, best: dict,
+            declared: set[str] = frozenset()) -> None:
     ref = contexts[0]
     names = [c.masker.backend_name for c in contexts]
     yes = [n for n, a in zip(names, allowed_by) if a]
@@ -103,7 +129,11 @@ def _record(contexts, allowed_by: np.ndarray, token: int | None, verdict: bool |
             result.verdicts[n]["undecided"] += 1
     elif verdict:
         for n in no:
-            result.verdicts[n]["incomplete"] += 1
+            key = "refused_as_declared" if n in declared else "incomplete"
+            result.verdicts[n][key] = result.verdicts[n].get(key, 0) + 1
+        no = [n for n in no if n not in declared]
+        if not no:
+            return
     else:
         for n in yes:
             result.verdicts[n]["unsound"] += 1

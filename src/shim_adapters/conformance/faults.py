@@ -15,7 +15,8 @@ import numpy as np
 
 from ..backends import BackendSpec
 from ..errors import ForbiddenTokenError
-from ..protocol import Masker, MaskerState, StateFeatures
+from ..grammar import builtin_grammar
+from ..protocol import Masker, MaskerState, StateFeatures, Tokenizations
 
 #: The defects that can be injected.
 FAULTS = {
@@ -34,6 +35,10 @@ FAULTS = {
                     "allowed at every state",
     "allow_control": "the tokenizer's chat-template control tokens are always allowed",
     "crash_late": "allowed_mask() raises after two tokens",
+    "drops_schema": "a JSON schema is compiled as plain JSON (the schema's constraints dropped, "
+                    "JSON syntax kept)",
+    "declares_any_tokenization": "declares tokenizations=any whatever the backend does (a "
+                                 "wrong declaration on a canonical-in-forced-text backend)",
 }
 
 
@@ -135,8 +140,13 @@ class FaultyMasker(Masker):
         self.inner = inner
         self.fault = fault
         for name in ("grammar", "tokenizer", "vocab_size", "eos_token_ids", "backend_version",
-                     "grammar_formats", "feature_status"):
+                     "grammar_formats", "feature_status", "tokenizations"):
             setattr(self, name, getattr(inner, name))
+        if fault == "declares_any_tokenization":
+            if inner.tokenizations is Tokenizations.ANY:
+                raise ValueError("declares_any_tokenization needs a backend that declares "
+                                 "fewer tokenizations than any")
+            self.tokenizations = Tokenizations.ANY
         self.backend_name = f"{inner.backend_name}+{fault}"
         first = inner.new_state().allowed_mask()
         n = len(inner.tokenizer)
@@ -181,6 +191,13 @@ class FaultyMasker(Masker):
 def faulty_backend(spec: BackendSpec, fault: str) -> BackendSpec:
     """``spec`` with ``fault`` injected into every masker it compiles."""
     def create(grammar, tokenizer, vocab_size=None, **options):
+        if fault == "drops_schema":
+            if grammar.format != "json_schema":
+                raise ValueError("drops_schema needs a JSON-schema grammar")
+            inner = spec.create_masker(builtin_grammar("json"), tokenizer, vocab_size, **options)
+            masker = FaultyMasker(inner, fault)
+            masker.grammar = grammar  # it claims the schema it dropped
+            return masker
         return FaultyMasker(spec.create_masker(grammar, tokenizer, vocab_size, **options), fault)
 
     return replace(spec, name=f"{spec.name}+{fault}", create_masker=create,

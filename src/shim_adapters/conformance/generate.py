@@ -29,6 +29,9 @@ ASCII = [chr(c) for c in range(32, 127)]
 #: Non-ASCII characters of several UTF-8 lengths, a combining mark and an emoji sequence.
 UNICODE = ["é", "ß", "Ω", "ж", "中", "文", "日", "한", "😀", "👍", "\u0301", "€", "…", "ñ", "\u00a0"]
 WHITESPACE = [" ", "\t", "\n", "\r"]
+#: DEL and C1 control characters: JSON strings may hold them raw (only U+0000-U+001F must be
+#: escaped), and some backends wrongly refuse them.
+JSON_RAW_CONTROLS = ["\u007f", "\u0080", "\u0085", "\u009f"]
 
 
 @dataclass(frozen=True)
@@ -310,8 +313,18 @@ class JsonSchemaGenerator:
         lo = s.get("minLength", 0)
         hi = s.get("maxLength", lo + mode.max_repeat * 2)
         n = rng.randint(lo, max(lo, hi))
-        pool = ASCII + (UNICODE if mode.unicode_weight > 0.5 else []) + ['"', "\\", "\n"]
-        return "".join(rng.choice(pool) for _ in range(n))
+        unicode = mode.unicode_weight > 0.5
+        # C0 controls are written as \\uXXXX escapes by json.dumps: every mode has them.
+        pool = ASCII + (UNICODE + JSON_RAW_CONTROLS if unicode else []) + ['"', "\\", "\n",
+                                                                            "\x01", "\x1f"]
+        chars = [rng.choice(pool) for _ in range(n)]
+        if unicode and chars:
+            # Raw DEL and C1 controls are valid unescaped JSON string characters (RFC 8259
+            # only forbids U+0000-U+001F): every unicode-mode string carries one.
+            chars[rng.randrange(n)] = rng.choice(JSON_RAW_CONTROLS)
+        elif mode.name == "long" and chars:
+            chars[rng.randrange(n)] = rng.choice(["\x01", "\x1f"])  # a \\u00XX escape
+        return "".join(chars)
 
 
 def grammar_generator(grammar: Grammar):

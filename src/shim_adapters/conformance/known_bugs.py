@@ -86,6 +86,56 @@ def _inside_json_string(text: str) -> bool:
     return count % 2 == 1
 
 
+def _outside_strings(prefix: str, added: str) -> str:
+    """The prefix's last character and the token's text, keeping only what lies outside JSON
+    string literals (a token '"\\n' after '{"name' closes the key, then writes a newline)."""
+    inside = _inside_json_string(prefix)
+    escaped = False
+    out = [prefix[-1:]] if prefix and not inside else []
+    for ch in added:
+        if inside:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                inside = False
+        elif ch == '"':
+            inside = True
+            out.append("|")  # a string literal separates whitespace runs
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _json_whitespace_beyond_one_space(token_text: str) -> bool:
+    """The token has JSON whitespace other than single spaces (a newline, tab, CR, a run)."""
+    return any(c in token_text for c in "\n\t\r") or "  " in token_text
+
+
+def _starts_unicode_escape(prefix: str, added: str) -> bool:
+    """The token writes (part of) a \\u escape inside a JSON string: its text, with the
+    prefix's unfinished escape, contains an unescaped backslash followed by 'u'."""
+    if not _inside_json_string(prefix):
+        return False
+    run = len(prefix) - len(prefix.rstrip("\\"))
+    text = "\\" * (run % 2) + added
+    escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            if ch == "u":
+                return True
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+    return False
+
+
+def _adds_del_or_c1(r: Repro) -> bool:
+    """The token completes a DEL or C1 control character (U+007F-U+009F)."""
+    return any(0x7F <= ord(c) <= 0x9F for c in (r.added_text or ""))
+
+
 def _is_partial_utf8_text(token_text: str | None) -> bool:
     """Repros show a token whose bytes are not valid UTF-8 as a bytes literal."""
     return bool(token_text) and token_text[:2] in ("b'", 'b"') and "\\x" in token_text
@@ -128,7 +178,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
                                and "pattern" not in n)),
     KnownBug(
         id="xgrammar-schema-escapes-refused", backend="xgrammar", versions=("0.2.9",),
-        check="completeness", kinds=("valid_token_refused",),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
         summary="XGrammar refuses escape sequences in JSON-schema strings with maxLength",
         repro="person.json, GPT-2: after '{\"name\":\"' the token '\\' (59) is refused "
               "though '{\"name\":\"\\n\",\"age\":7,\"role\":\"user\"}' is valid",
@@ -155,14 +205,57 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
                                and ("minimum" in n or "maximum" in n)),
         expect_reproduced=False),
     KnownBug(
+        id="outlines-core-schema-del-c1-refused", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="completeness",
+        kinds=("valid_token_refused", "non_canonical_refused", "refused_partial_utf8"),
+        summary="outlines_core's schema-to-regex string class [^\"\\\\\\x00-\\x1F\\x7F-\\x9F] "
+                "refuses raw DEL and C1 control characters (U+007F-U+009F) inside JSON strings, "
+                "which RFC 8259 allows unescaped",
+        repro="person.json, GPT-2: after '{\"name\":\"' the token '\\x7f' (221) is refused; "
+              "after '{\"name\": \"1ß,o' + byte <0xC2> the byte token <0x85> (U+0085) is "
+              "refused though '{\"name\":\"\\u0085\",\"age\":0,\"role\":\"user\"}' "
+              "spelled raw is valid",
+        matches=lambda r, g: _is_schema_repro(r) and _inside_json_string(r.prefix_text)
+        and _adds_del_or_c1(r),
+        applies_to=_schema_has(lambda n: n.get("type") == "string" and "enum" not in n
+                               and "pattern" not in n),
+        expect_reproduced=False),
+    KnownBug(
+        id="outlines-core-schema-del-c1-refused-edge", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="tokenizer_edges", kinds=("refused_partial_utf8", "refused_leading_space",
+                                        "refused_multi_terminal"),
+        summary="the same DEL/C1 refusal, seen on a partial-UTF-8 byte token",
+        repro="person.json, GPT-2: byte token <0x85> after <0xC2> inside a name string",
+        matches=lambda r, g: _is_schema_repro(r) and _inside_json_string(r.prefix_text)
+        and _adds_del_or_c1(r),
+        applies_to=_schema_has(lambda n: n.get("type") == "string"), expect_reproduced=False),
+    KnownBug(
+        id="outlines-core-schema-unicode-escape-refused", backend="outlines",
+        versions=("outlines_core 0.2.14",),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
+        summary="outlines_core's schema-to-regex admits only the short escapes \\[\"\\\\/bfnrt] "
+                "in JSON strings: \\uXXXX escapes are refused (upstream: "
+                "dottxt-ai/outlines-core pull request 189, open)",
+        repro="person.json, shipped tokenizer: after '{\"name\": \" n_\\' the token 'u' is "
+              "refused though '{\"name\":\"\\u0001\",\"age\":0,\"role\":\"user\"}' is valid",
+        matches=lambda r, g: _is_schema_repro(r)
+        and _starts_unicode_escape(r.prefix_text, r.added_text or r.token_text or ""),
+        applies_to=_schema_has(lambda n: n.get("type") == "string" and "enum" not in n
+                               and "pattern" not in n),
+        expect_reproduced=False),
+    KnownBug(
         id="outlines-core-schema-whitespace", backend="outlines",
         versions=("outlines_core 0.2.14",),
-        check="completeness", kinds=("valid_token_refused",),
-        summary="outlines_core's default whitespace pattern admits no newline between JSON "
-                "tokens (valid pretty-printed JSON is refused)",
-        repro="person.json, GPT-2: after '{' the token '\\n' (198) is refused",
-        matches=lambda r, g: _is_schema_repro(r) and "\n" in (r.token_text or "")
-        and not _inside_json_string(r.prefix_text),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
+        summary="outlines_core's default whitespace pattern ([ ]?) admits at most one space "
+                "between JSON tokens: newlines, tabs, CR and runs of spaces are refused (valid "
+                "pretty-printed JSON is refused)",
+        repro="person.json, GPT-2: after '{' the token '\\n' (198) is refused; shipped "
+              "tokenizer: after '{' the tokens '\\t' (198), '\\r' (202), '  ' (486)",
+        matches=lambda r, g: _is_schema_repro(r) and _json_whitespace_beyond_one_space(
+            _outside_strings(r.prefix_text, r.added_text or r.token_text or "")),
         applies_to=_schema_has(lambda n: n.get("type") == "object")),
     KnownBug(
         id="outlines-core-schema-whitespace-edge", backend="outlines",
@@ -178,7 +271,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         id="outlines-core-regex-leaves-final-state", backend="outlines",
         versions=("outlines_core 0.2.14",),
-        check="completeness", kinds=("valid_token_refused",),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
         summary="outlines_core 0.2.14 refuses tokens that leave a final DFA state for a "
                 "non-final one (an optional suffix after a complete match; fixed upstream, "
                 "unreleased at 0.2.14, DESIGN.md)",
@@ -187,15 +280,6 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda r, g: g is not None and g.format == "regex"
         and _passes_final_state(g.text, r.prefix_text, r.token_text or ""),
         applies_to=lambda g: g.format == "regex" and "?" in g.text, expect_reproduced=False),
-    KnownBug(
-        id="llguidance-forced-text-canonical-only", backend="outlines",
-        versions=("llguidance 1.9.1",),
-        check="completeness", kinds=("valid_token_refused",),
-        summary="llguidance allows only the canonical (longest) token where the grammar forces "
-                "text, refusing shorter tokens that split the forced text (DESIGN.md)",
-        repro="json, shipped tokenizer: after 't' the token 'r' (82) is refused, 'rue' allowed",
-        matches=lambda r, g: "forced text" in r.detail,
-        applies_to=lambda g: g.format in ("lark", "ebnf"), expect_reproduced=False),
 )
 
 
@@ -215,13 +299,13 @@ def _passes_final_state(pattern: str, prefix: str, token: str) -> bool:
 def _partial_utf8_bug(backend: str, version: str) -> KnownBug:
     return KnownBug(
         id=f"shim-{backend}-partial-utf8-refused", backend=backend, versions=(version,),
-        check="completeness", kinds=("valid_token_refused", "refused_partial_utf8"),
+        check="completeness", kinds=("valid_token_refused", "refused_partial_utf8", "non_canonical_refused"),
         summary=f"our shim-{backend} plugin refuses partial-UTF-8 byte tokens inside JSON "
                 f"strings where the upstream processor allows them; {_PLUGIN_FIX}",
         repro="json, mistral-v1: after '[\"' the byte token <0xE4> is refused though "
               "'[\"中\"]' is valid",
         matches=lambda r, g: _is_partial_utf8_text(r.token_text)
-        and _inside_json_string(r.prefix_text),
+        and _inside_json_string(r.prefix_text) and not _adds_del_or_c1(r),
         applies_to=lambda g: g.format == "json_schema" or g.name.startswith("json"),
         expect_reproduced=False)
 

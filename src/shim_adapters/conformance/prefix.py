@@ -11,9 +11,10 @@ this module adds viable-prefix checkers that share no code with any backend unde
   XGrammar and llguidance read it), with the unfinished last lexeme checked by the ``regex``
   package's partial matching.
 - Regexes: ``regex`` partial matching.
-- JSON schemas: JSON *syntax* (the built-in JSON grammar through the Lark checker); the schema
-  itself is only checked on finished strings, so this side is an over-approximation and never
-  raises a false alarm.
+- JSON schemas: the schema itself as Lark grammars (:mod:`.schema_reference`), in two readings:
+  an over-approximation that judges allowed tokens (:func:`prefix_checker`) and an
+  under-approximation that judges refused ones (:func:`refusal_checker`), so neither raises a
+  false alarm. A schema the over-approximation cannot take falls back to JSON syntax.
 
 A grammar whose LALR tables have conflicts gets no prefix checker (``None``); the report says
 so and the per-step checks fall back to finished strings.
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from ..errors import UnsupportedGrammarError
+from ..errors import GrammarError, UnsupportedGrammarError
 from ..grammar import Grammar, builtin_grammar
 from .grammar_analysis import analyse_lark, lark_text_of
 
@@ -58,7 +59,7 @@ class LarkPrefixChecker:
     MAX_CONFIGS = 4000
 
     def __init__(self, lark_text: str, name: str = "<grammar>", cache_size: int = 512,
-                 finite: bool = True):
+                 finite: bool = True, leading_ignore: bool = True):
         """``finite``: tables from the rules that can finish only (exact viability: a prefix
         is viable iff a finite completion exists); False: every rule (syntactic viability,
         used to tell a dead end from an unsound token)."""
@@ -90,6 +91,8 @@ class LarkPrefixChecker:
             self._root = (table.start_states["start"],)
         self._rx = {t.name: regex.compile(t.pattern.to_regexp()) for t in analysis.terminals}
         self._ignore = tuple(analysis.ignore)
+        #: False: no %ignore text before the first token (the schema's ordered reading).
+        self._leading_ignore = leading_ignore
         self._accepts: dict[tuple, tuple[str, ...]] = {}
         self._feeds: dict[tuple, tuple | None] = {}
         self._cache: OrderedDict[str, list] = OrderedDict()
@@ -167,6 +170,8 @@ class LarkPrefixChecker:
             stack, start = config
             alive = start == end_all
             for name in self._acceptable(stack):
+                if start == 0 and not self._leading_ignore and name in self._ignore:
+                    continue
                 rx = self._rx[name]
                 if start < end_all and not alive and rx.fullmatch(text, start, end_all,
                                                                   partial=True):
@@ -210,9 +215,34 @@ def prefix_checker(grammar: Grammar, finite: bool = True) -> PrefixChecker:
     if grammar.format == "regex":
         return RegexPrefixChecker(grammar.text)
     if grammar.format == "json_schema":
-        return LarkPrefixChecker(builtin_grammar("json").text, name=f"{grammar.name} (JSON syntax)")
+        from .schema_reference import schema_lark
+
+        try:
+            text, dropped = schema_lark(grammar.text, ordered=False)
+            checker = LarkPrefixChecker(text, name=f"{grammar.name} (schema, relaxed)")
+            checker.notes = [f"schema reference for allowed tokens drops {', '.join(dropped)}"
+                             ] if dropped else []
+        except (UnsupportedGrammarError, GrammarError) as exc:
+            checker = LarkPrefixChecker(builtin_grammar("json").text,
+                                        name=f"{grammar.name} (JSON syntax)")
+            checker.notes = [f"allowed tokens judged by JSON syntax only: {exc}"]
+        return checker
     text = lark_text_of(grammar)
     if text is not None:
         return LarkPrefixChecker(text, name=grammar.name, finite=finite)
     raise UnsupportedGrammarError(f"no prefix reference for format {grammar.format}",
                                   grammar_name=grammar.name)
+
+
+def refusal_checker(grammar: Grammar) -> PrefixChecker | None:
+    """The reference that judges *refused* tokens, where it is not :func:`prefix_checker`'s:
+    for a JSON schema, the schema's ordered reading (an under-approximation: what it calls
+    viable is). None for other formats (their prefix reference is exact); raises
+    UnsupportedGrammarError when the schema has a construct that reading cannot express."""
+    if grammar.format != "json_schema":
+        return None
+    from .schema_reference import schema_lark
+
+    text, _ = schema_lark(grammar.text, ordered=True)
+    return LarkPrefixChecker(text, name=f"{grammar.name} (schema, ordered)",
+                             leading_ignore=False)

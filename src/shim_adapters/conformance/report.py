@@ -73,6 +73,9 @@ class Repro:
     detail: str
     #: Id of the known upstream bug this failure matches (then it is an xfail, not a fail).
     known_bug: str | None = None
+    #: The characters the token completes (with the prefix's unfinished UTF-8 bytes), when
+    #: they decode: what a byte token inside a character really adds.
+    added_text: str | None = None
 
     def one_line(self) -> str:
         tok = "EOS" if self.token_id is None else f"{self.token_id} {self.token_text!r}"
@@ -295,8 +298,11 @@ class Report:
                       "| tokenizer | grammar | backends | steps | tokens | disagreements | "
                       "verdicts (unsound/incomplete/undecided) |", "|---|---|---|---|---|---|---|"]
             for d in self.differential:
-                verdicts = "; ".join(f"{b}: {v['unsound']}/{v['incomplete']}/{v['undecided']}"
-                                     for b, v in d.verdicts.items())
+                verdicts = "; ".join(
+                    f"{b}: {v['unsound']}/{v['incomplete']}/{v['undecided']}"
+                    + (f" (+{v['refused_as_declared']} refused as declared)"
+                       if v.get("refused_as_declared") else "")
+                    for b, v in d.verdicts.items())
                 lines.append(f"| {d.tokenizer} | {d.grammar} | {', '.join(d.backends)} | "
                              f"{d.steps} | {d.tokens_compared} | {d.disagreements} | {verdicts} |")
         failures = [(cell, check, r) for cell in self.cells for check in cell.checks.values()

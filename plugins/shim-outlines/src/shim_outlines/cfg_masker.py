@@ -10,7 +10,11 @@ guessed.
 
 llguidance only allows the canonical tokenisation where the grammar forces text (e.g. the fixed
 ``(define-fun inv ...`` header): the mask is sound, but an LM sample that spells forced text
-with other tokens is rejected (DESIGN.md section 4).
+with other tokens is rejected (DESIGN.md section 4). This is llguidance's documented design
+(its ``no_forcing`` grammar option: "when a sequence of bytes is forced by grammar, it is
+tokenized canonically and forced as tokens"; turning that off is meant for testing only), so
+the masker declares ``Tokenizations.CANONICAL_IN_FORCED_TEXT`` and the conformance suite
+judges it by that declaration.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import numpy as np
 
 from shim_adapters.errors import GrammarError, ShimError, UnsupportedGrammarError
 from shim_adapters.grammar import Grammar
-from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
+from shim_adapters.protocol import (FeatureStatus, Masker, MaskerState, StateFeatures,
+                                    Tokenizations)
 
 from .masks import bit_is_set, bitmask_to_bool, resolve_eos, resolve_width
 from .shadow_parser import ShadowGrammar, ShadowParser
@@ -58,6 +63,8 @@ class LLGuidanceMasker(Masker):
 
     backend_name = BACKEND_NAME
     grammar_formats = ("lark", "ebnf")
+    #: llguidance tokenizes forced text canonically (see the module docstring).
+    tokenizations = Tokenizations.CANONICAL_IN_FORCED_TEXT
 
     def __init__(self, grammar: Grammar, tokenizer, vocab_size: int | None = None, *,
                  eos_token_ids: Sequence[int] | None = None, shadow_parser: bool = True):

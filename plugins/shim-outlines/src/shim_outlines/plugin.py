@@ -53,8 +53,11 @@ def backend_spec() -> BackendSpec:
         name="outlines",
         version=f"outlines_core {version('outlines_core')}; llguidance {version('llguidance')}",
         grammar_formats=GRAMMAR_FORMATS,
-        # Per-masker status is authoritative (Masker.feature_status); this is the CFG case.
+        # The CFG engine's status (llguidance + shadow parser); regex and JSON schema go to
+        # outlines_core, which reads the DFA state exactly and has no parser state.
         feature_status=dict(DERIVED_STATUS),
+        feature_status_by_format={f: dict(REGEX_FEATURE_STATUS)
+                                  for f in OutlinesCoreMasker.grammar_formats},
         create_masker=create_masker,
         schema_support=SCHEMA_SUPPORT,
         native_formats=("lark", "regex", "json_schema"),
