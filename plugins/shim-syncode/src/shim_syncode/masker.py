@@ -170,7 +170,9 @@ class SyncodeMaskerState(MaskerState):
                 self._mask = mask
         return self._mask
 
-    def _compute_mask(self) -> np.ndarray:
+    def _compute_mask(self, use_span_filter: bool = True) -> np.ndarray:
+        """The mask of this state. ``use_span_filter=False`` is the reference path (every
+        span candidate checked by the parser); both give the same mask."""
         masker = self.masker
         out = np.zeros(masker.vocab_size, dtype=np.bool_)
         if self._finished or self._broken is not None:
@@ -204,9 +206,14 @@ class SyncodeMaskerState(MaskerState):
         else:  # mid-character: keep the tokens that continue it validly
             for i in np.flatnonzero(out[:n]):
                 out[i] = utf8_prefix_ok(pending + token_bytes[i])
-        # Tokens spanning several lexemes, which SynCode's store never allows: check each one.
+        # Tokens spanning several lexemes, which SynCode's store never allows: rule out in bulk
+        # those whose inner lexemes the parser cannot take, then check the rest one by one.
         spans &= ~out[:n]
         spans &= ~masker._always_off[:n]
+        if use_span_filter:
+            possible = compiled.span_filter.possible(parser)
+            if possible is not None:
+                spans &= possible
         for i in np.flatnonzero(spans):
             if utf8_prefix_ok(pending + token_bytes[i]) and parser.would_accept(token_bytes[i]):
                 out[i] = True
