@@ -96,30 +96,35 @@ class SpanFilter:
 
     def _scenarios(self, parser: FrontierParser):
         """(LALR stack at p, terminals alive over T[p:]) for every p where the first lexeme
-        reading into the next token may start (a superset of the real ones)."""
+        reading into the next token may start: a lexeme start still open, the start of an
+        ignored lexeme in a gap, or the end of the lexed text (where lexing stopped)."""
         tables = parser.tables
         text = parser._text
         tokens, stacks = parser._tokens, parser._stacks
         ends = [t.end_pos for t in tokens]
         limit = parser.lexer_pos if parser._lex_incomplete else len(text)
-        inner = set()
-        for t in tokens:
-            inner.update(range(t.start_pos + 1, t.end_pos))
-        positions = {p for p in range(0, limit + 1) if p not in inner}
-        positions.update(parser._open)
-        for p in sorted(positions):
+        positions = dict(parser._open)  # start -> terminals alive from it
+        gap_starts = [0] + ends
+        gap_ends = [t.start_pos for t in tokens] + [limit]
+        for a, b in zip(gap_starts, gap_ends):
+            pos = a
+            while pos < b:  # the ignored lexemes the lexer skips here, as it skips them
+                if pos not in positions:
+                    positions[pos] = None
+                found = tables.lexer.match(text, pos)
+                if not found or not found[0]:
+                    break
+                pos += len(found[0])
+        if limit not in positions:
+            positions[limit] = parser._tail_map if parser._lex_incomplete else None
+        for p, live in positions.items():
             before = bisect.bisect_right(ends, p)
             if before > len(stacks):
                 continue  # a lexeme before p failed to parse: anything after it is refused
-            stack = stacks[before - 1] if before else parser._base_stack
-            if p in parser._open:
-                live = parser._open[p]
-            elif parser._lex_incomplete and p == parser.lexer_pos:
-                live = parser._tail_map
-            else:
+            if live is None:
                 live, _ = tables.advance_map(tables.initial_map(), text[p:].encode("utf-8"))
             if live:
-                yield stack, live
+                yield stacks[before - 1] if before else parser._base_stack, live
 
     def _ok(self, stack: tuple, name: str, entry: int) -> bool:
         """Whether lexeme ``name`` closed at a cut, then summary ``entry``, may be accepted."""
