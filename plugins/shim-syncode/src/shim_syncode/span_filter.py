@@ -17,8 +17,9 @@ the crossing lexeme). So the text lexes as: the current lexemes before some posi
 on its own, which depends on the token alone and is tabled. :meth:`SpanFilter.possible` keeps
 a token if for some such ``(p, X, k)`` every lexeme but the last parses from the stack at ``p``
 and the end is one that ``is_valid_prefix`` (or its open-start fallback) could accept; every
-bound used is looser than the parser's own rule. Anything outside these assumptions (pending
-UTF-8 bytes, ``ignore_whitespace``, tokens that are not whole UTF-8) is kept and checked.
+bound used is looser than the parser's own rule. Pending UTF-8 bytes are read as the start of
+the token. Anything outside these assumptions (``ignore_whitespace``, a lexeme that may end
+right before pending bytes, tokens that are not whole UTF-8) is kept and checked.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from .frontier_parser import FrontierParser, GrammarTables, LexerState, Unexpect
 _UnlessCallback = syncode_modules()["syncode.larkm.lexer"].UnlessCallback
 
 
-#: bound on memoised (stack, terminal, summary) verdicts (stacks vary with nesting depth)
-_MEMO_LIMIT = 200_000
+#: bound on the token ids held by memoised (stack, terminal, DFA state) answers: 32 MiB
+_MEMO_IDS = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,17 @@ class LexSummary:
     tail_live: frozenset | None  # terminals alive over an unlexable tail (None: no tail)
 
 
+@dataclass(frozen=True)
+class _CutTable:
+    """Per (terminal, DFA state): pool tokens with a cut point, and per token (CSR rows from
+    ``indptr`` into ``indices``) the local numbers of its summaries (ids in ``entries``)."""
+
+    ids: np.ndarray
+    entries: np.ndarray
+    indices: np.ndarray
+    indptr: np.ndarray
+
+
 class SpanFilter:
     """Per-grammar, per-tokenizer tables for bulk span-candidate checks; thread-safe."""
 
@@ -63,15 +75,18 @@ class SpanFilter:
         self.inside = inside
         self.pool = np.flatnonzero(pool)
         whole = np.array([_decodes(token_bytes[i]) for i in self.pool], dtype=np.bool_)
-        #: pool tokens that are not whole UTF-8: always checked one by one
+        #: pool tokens that are not whole UTF-8 (after the continuation bytes that may finish
+        #: a pending character): always checked one by one
         self.undecodable = np.zeros(self.n, dtype=np.bool_)
         self.undecodable[self.pool[~whole]] = True
         self._decodable = self.pool[whole]
         self._lock = threading.Lock()
-        self._groups: dict[tuple[str, object], list] = {}
+        self._tables: dict[tuple[str, object], _CutTable] = {}
         self._summaries: list[LexSummary] = []
         self._summary_of: dict[bytes, int] = {}
-        self._entry_ok: dict[tuple, bool] = {}
+        self._passing_memo: dict[tuple, np.ndarray] = {}
+        self._memo_ids = 0
+        self._verdicts: dict[tuple, dict[int, bool]] = {}
         self._accepts: dict[tuple, frozenset] = {}
         self._types: dict[str, tuple[str, ...] | None] = {}
 
@@ -79,20 +94,55 @@ class SpanFilter:
     def possible(self, parser: FrontierParser) -> np.ndarray | None:
         """Tokens of the pool that ``parser.would_accept`` may accept (a superset), or None
         when this state is outside the filter's assumptions (check every candidate)."""
-        if parser.pending_bytes or parser._ignore_whitespace:
+        if parser._ignore_whitespace:
             return None
+        pending = parser.pending_bytes
         keep = self.undecodable.copy()
         for stack, live in self._scenarios(parser):
+            if pending:
+                # The text lexed is T + pending + token: a lexeme reading into the token reads
+                # the pending bytes first, unless it ends right before them (then give up).
+                if any(state in self.tables.fsms[name].finals for name, state in live.items()):
+                    return None
+                live, _ = self.tables.advance_map(live, pending)
             acc = self._acc(stack) | self.ignore
             for name, state in live.items():
                 if name in acc:
                     inside = self.inside.get((name, state))
                     if inside is not None:
                         keep |= inside
-                for entries, ids in self._groups_for(name, state):
-                    if any(self._ok(stack, name, e) for e in entries):
-                        keep[ids] = True
+                keep[self._passing(stack, name, state)] = True
         return keep
+
+    def _passing(self, stack: tuple, name: str, state) -> np.ndarray:
+        """Pool tokens for which lexeme ``name`` (at DFA ``state`` after T[p:]) may close at
+        a cut point and the rest be taken from ``stack``: one check per distinct summary."""
+        key = (stack, name, state)
+        found = self._passing_memo.get(key)
+        if found is None:
+            table = self._table(name, state)
+            if not len(table.ids):
+                found = table.ids
+            else:
+                verdicts = self._verdicts.get((stack, name))
+                if verdicts is None:
+                    verdicts = self._verdicts[(stack, name)] = {}
+                ok = np.fromiter((self._entry_ok(verdicts, stack, name, e) for e in table.entries),
+                                 dtype=np.bool_, count=len(table.entries))
+                found = table.ids[np.logical_or.reduceat(ok[table.indices], table.indptr)]
+            if self._memo_ids + len(found) > _MEMO_IDS or len(self._verdicts) > 65536:
+                self._passing_memo.clear()
+                self._verdicts.clear()
+                self._memo_ids = 0
+            self._passing_memo[key] = found
+            self._memo_ids += len(found) + 1
+        return found
+
+    def _entry_ok(self, verdicts: dict, stack: tuple, name: str, entry: int) -> bool:
+        found = verdicts.get(entry)
+        if found is None:
+            found = verdicts[entry] = self._check(stack, name, self._summaries[entry])
+        return found
 
     def _scenarios(self, parser: FrontierParser):
         """(LALR stack at p, terminals alive over T[p:]) for every p where the first lexeme
@@ -125,16 +175,6 @@ class SpanFilter:
                 live, _ = tables.advance_map(tables.initial_map(), text[p:].encode("utf-8"))
             if live:
                 yield stacks[before - 1] if before else parser._base_stack, live
-
-    def _ok(self, stack: tuple, name: str, entry: int) -> bool:
-        """Whether lexeme ``name`` closed at a cut, then summary ``entry``, may be accepted."""
-        key = (stack, name, entry)
-        found = self._entry_ok.get(key)
-        if found is None:
-            if len(self._entry_ok) > _MEMO_LIMIT:
-                self._entry_ok.clear()
-            found = self._entry_ok[key] = self._check(stack, name, self._summaries[entry])
-        return found
 
     def _check(self, stack: tuple, name: str, summary: LexSummary) -> bool:
         types = self._types_of(name)
@@ -200,37 +240,44 @@ class SpanFilter:
         return found
 
     # ---- per (terminal, DFA state), built on first use ---------------------------------
-    def _groups_for(self, name: str, state) -> list:
+    def _table(self, name: str, state) -> "_CutTable":
         key = (name, state)
-        found = self._groups.get(key)
+        found = self._tables.get(key)
         if found is None:
             with self._lock:
-                found = self._groups.get(key)
+                found = self._tables.get(key)
                 if found is None:
-                    found = self._groups[key] = self._build_groups(name, state)
+                    found = self._tables[key] = self._build_table(name, state)
         return found
 
-    def _build_groups(self, name: str, state) -> list:
+    def _build_table(self, name: str, state) -> "_CutTable":
         """Decodable pool tokens with a cut point (``name`` final at a character boundary
-        before their end), grouped by the set of summaries of the bytes after each cut."""
+        before their end), each with the summaries of the bytes after its cut points."""
         fsm = self.tables.fsms[name]
         finals = fsm.finals
-        by_sig: dict[frozenset, list[int]] = {}
+        ids: list[int] = []
+        per_token: list[list[int]] = []
         for i in self._decodable:
             data = self.token_bytes[i]
             cur = state
-            cuts = [0] if cur in finals else []
+            # a token finishing a pending character cannot be cut before its first whole one
+            cuts = [0] if cur in finals and not 0x80 <= data[0] <= 0xBF else []
             for k, byte in enumerate(data):
                 cur = fsm.get_next_state(cur, byte)
                 if cur is None:
                     break
                 if cur in finals and k + 1 < len(data) and not 0x80 <= data[k + 1] <= 0xBF:
                     cuts.append(k + 1)
-            if not cuts:
-                continue
-            entries = frozenset(self._summary(data[k:]) for k in cuts)
-            by_sig.setdefault(entries, []).append(i)
-        return [(tuple(sig), np.array(ids, dtype=np.int64)) for sig, ids in by_sig.items()]
+            if cuts:
+                ids.append(int(i))
+                per_token.append(sorted({self._summary(data[k:]) for k in cuts}))
+        entries = sorted({e for row in per_token for e in row})
+        local = {e: j for j, e in enumerate(entries)}
+        indices = np.array([local[e] for row in per_token for e in row], dtype=np.int64)
+        indptr = np.cumsum([0] + [len(row) for row in per_token[:-1]], dtype=np.int64)
+        return _CutTable(ids=np.array(ids, dtype=np.int32),
+                         entries=np.array(entries, dtype=np.int64), indices=indices,
+                         indptr=indptr)
 
     def _summary(self, rest: bytes) -> int:
         found = self._summary_of.get(rest)
@@ -268,8 +315,13 @@ class SpanFilter:
 
 
 def _decodes(data: bytes) -> bool:
+    """Whether ``data`` is whole UTF-8 after up to three leading continuation bytes (which
+    finish a character left pending by earlier tokens)."""
+    lead = 0
+    while lead < min(3, len(data)) and 0x80 <= data[lead] <= 0xBF:
+        lead += 1
     try:
-        data.decode("utf-8")
+        data[lead:].decode("utf-8")
     except UnicodeDecodeError:
         return False
     return bool(data)

@@ -33,8 +33,10 @@ class Utf8Continuations:
         self.heads = np.full((n, 3), 256, dtype=np.int16)
         self.clean_from = np.ones((n, 4), dtype=np.bool_)
         for i, data in enumerate(token_bytes):
-            for k, byte in enumerate(data[:3]):
-                self.heads[i, k] = byte
+            head = data[:3]
+            self.heads[i, :len(head)] = np.frombuffer(head, dtype=np.uint8)
+            if data.isascii():
+                continue  # clean from every offset
             for m in range(min(len(data), 4)):
                 self.clean_from[i, m] = utf8_prefix_ok(data[m:])
 
