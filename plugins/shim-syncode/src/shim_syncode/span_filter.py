@@ -4,8 +4,9 @@ SynCode's store never allows a token that spans several lexemes, so the masker c
 such candidate with :meth:`FrontierParser.would_accept` (a parser fork, a re-lex and a parse:
 tens of microseconds). Most candidates fail, and they fail for reasons visible without a
 fork: the lexemes inside the token cannot follow the parser's stack. This module rules those
-out with per-(terminal, DFA state) token groups and one LALR check per group, so only the few
-that may pass are checked one by one; the mask stays exactly what the per-token loop gave.
+out with per-(terminal, DFA state) token tables and one LALR check per distinct way the rest
+of a token lexes, so only the few that may pass are checked one by one; the mask stays
+exactly what the per-token loop gave.
 
 Why it is exact (a necessary condition, never a sufficient one): when ``d`` is fed after the
 tail ``T``, SynCode's basic lexer re-lexes from the frontier. Lexemes of ``T`` that end before
