@@ -618,3 +618,112 @@ def test_mask_store_build_shows_a_labelled_progress_bar(shipped_lm, capsys):
     assert f"SynCode mask store for grammar 'progress-probe' ({len(shipped_lm.tokenizer)} " \
            f"tokens)" in err
     assert module.tqdm is before
+
+
+# ---- the bulk mask equals the per-token reference --------------------------------------------
+def _compare_on_walks(masker, walks: int, steps: int, seed: int) -> tuple[int, int, int]:
+    """Masked random walks; at every state the bulk mask must equal the per-token reference.
+    Returns (states, parser checks that failed in the reference, and in the bulk path)."""
+    from shim_syncode import frontier_parser
+    from shim_syncode.reference_mask import reference_mask
+
+    checks = {"n": 0}
+    original = frontier_parser.FrontierParser.would_accept
+
+    def counting(self, data):
+        accepted = original(self, data)
+        checks["n"] += not accepted
+        return accepted
+
+    rng = np.random.default_rng(seed)
+    eos = list(masker.eos_token_ids)
+    states = ref_checks = new_checks = 0
+    for _ in range(walks):
+        state = masker.new_state()
+        for _ in range(steps):
+            frontier_parser.FrontierParser.would_accept = counting
+            try:
+                checks["n"] = 0
+                expected = reference_mask(state)
+                ref_checks += checks["n"]
+                checks["n"] = 0
+                got = state._compute_mask()
+                new_checks += checks["n"]
+            finally:
+                frontier_parser.FrontierParser.would_accept = original
+            differing = np.flatnonzero(got != expected)
+            assert not len(differing), (
+                f"bulk and per-token masks differ on "
+                f"{[masker.compiled.token_bytes[i] for i in differing[:8]]} after "
+                f"{state.text()!r}: {state.describe()}")
+            states += 1
+            expected[eos] = False
+            allowed = np.flatnonzero(expected)
+            if not len(allowed):
+                break
+            state.advance(int(rng.choice(allowed)))
+    return states, ref_checks, new_checks
+
+
+@pytest.mark.parametrize("name,lexing", [("json", "auto"), ("sql", "basic"), ("bv4", "basic"),
+                                         ("binary5", "auto"), ("sql", "auto"), ("bv4", "auto")])
+def test_bulk_mask_equals_per_token_reference(backend, tokenizers, name, lexing):
+    """Token for token on every state of many walks, pending UTF-8 states included; with
+    basic lexing the span filter must also spare nearly all of the reference's failing parser
+    checks (it rules out in bulk what the parser would refuse)."""
+    from shim_syncode.masker import compile_masker
+
+    masker = compile_masker(builtin_grammar(name), tokenizers[name],
+                            vocab_size=len(tokenizers[name]) + 3, memoize_masks=False,
+                            lexing=lexing)
+    walks = 5 if name == "json" else 8  # json's per-token reference is the slow part
+    states, ref_failed, new_failed = _compare_on_walks(masker, walks=walks, steps=50, seed=3)
+    assert states >= 30
+    if masker.compiled.lexing == "basic" and name != "binary5":
+        assert ref_failed > 100 and new_failed < ref_failed / 10, (ref_failed, new_failed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,lexing", [("json", "auto"), ("sql", "basic"), ("bv4", "basic")])
+@pytest.mark.parametrize("tokenizer_name", ["gpt2", "mistral-v1"])
+def test_bulk_mask_equals_per_token_reference_large_vocab(tokenizer_name, name, lexing):
+    """The same with real 50k / 32k tokenizers (GPT-2's byte-level BPE; Mistral's
+    SentencePiece with byte fallback, whose byte tokens leave UTF-8 characters pending)."""
+    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_syncode.masker import compile_masker
+
+    tok = load_offline_tokenizer(tokenizer_name)
+    masker = compile_masker(builtin_grammar(name), tok, memoize_masks=False, lexing=lexing)
+    states, ref_failed, new_failed = _compare_on_walks(masker, walks=6, steps=40, seed=5)
+    assert states >= 40
+    assert new_failed <= ref_failed
+
+
+def test_utf8_table_equals_utf8_prefix_ok():
+    """After every pending partial character (each lead byte, continuation bytes at the edges
+    of their ranges), on tokens made of every byte at every position that matters."""
+    from shim_adapters.utf8 import utf8_prefix_ok
+    from shim_syncode.utf8_table import Utf8Continuations
+
+    edges = sorted({0x00, 0x41, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF,
+                    0xE0, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF})
+    tokens = [b""] + [bytes([b]) for b in range(256)]
+    tokens += [bytes([a, b]) for a in edges for b in edges]
+    tokens += [bytes([a, b, c]) + tail for a in edges for b in edges for c in (0x80, 0xBF, 0x41)
+               for tail in (b"", b"x", b"\xc3\xa9", b"\xc3")]
+    table = Utf8Continuations(tokens)
+    pendings = [bytes([lead]) for lead in range(0xC2, 0xF5)]
+    pendings += [bytes([lead, c]) for lead in (0xE0, 0xE1, 0xED, 0xF0, 0xF1, 0xF4)
+                 for c in (0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF)]
+    pendings += [bytes([lead, c, 0x80]) for lead in (0xF0, 0xF3, 0xF4) for c in (0x80, 0x90)]
+    checked = 0
+    for pending in [b""] + pendings:
+        if not utf8_prefix_ok(pending):
+            assert table.after(pending) is None, pending
+            continue
+        expected = np.array([utf8_prefix_ok(pending + t) for t in tokens])
+        got = table.after(pending)
+        assert got is not None and np.array_equal(got, expected), pending
+        checked += 1
+    assert checked > 40
+    assert table.after(b"\x80") is None and table.after(b"\xc3\xa9") is None

@@ -25,6 +25,8 @@ from shim_adapters.utf8 import utf8_prefix_ok
 
 from ._syncode_import import syncode_modules, syncode_version
 from .frontier_parser import GrammarTables
+from .span_filter import SpanFilter
+from .utf8_table import Utf8Continuations
 
 #: SynCode mask-store mode. ``grammar_mask`` over-approximates (allows invalid tokens and then
 #: stops constraining), so it is never used.
@@ -71,6 +73,8 @@ class CompiledGrammar:
     #: dynamic_lexing; chosen when terminals overlap, where the basic lexer is incomplete)
     lexing: str = "basic"
     dynamic: object = None  # dynamic_lexing.DynamicTables when lexing == "dynamic"
+    span_filter: object = None  # span_filter.SpanFilter (basic lexing only)
+    utf8_continuations: object = None  # utf8_table.Utf8Continuations
 
 
 _cache: dict[CacheKey, CompiledGrammar] = {}
@@ -176,13 +180,19 @@ def _build(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey) -> Compil
     inside, spans = _token_tables(tables, token_bytes, special | {eos})
     _make_lookups_read_only(store)
     utf8_clean = np.array([utf8_prefix_ok(b) for b in token_bytes], dtype=np.bool_)
+    pool = np.zeros(len(token_bytes), dtype=np.bool_)
+    for mask in spans.values():
+        pool |= mask
+    span_filter = SpanFilter(tables, token_bytes, pool, inside)
+    utf8_continuations = Utf8Continuations(token_bytes)
     return CompiledGrammar(key=key, lark_text=lark_text, tables=tables, mask_store=store,
                            token_bytes=token_bytes, special_ids=special, utf8_clean=utf8_clean,
                            tab_tokens=np.array([b"\t" in b for b in token_bytes], dtype=np.bool_),
                            inside_lexeme=inside, span_candidates=spans,
                            state_codes=_state_codes(tables),
                            ignore_whitespace=store._ignore_whitespace,
-                           compile_seconds=time.perf_counter() - started)
+                           compile_seconds=time.perf_counter() - started,
+                           span_filter=span_filter, utf8_continuations=utf8_continuations)
 
 
 def _build_dynamic(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey, base_parser,
@@ -205,13 +215,15 @@ def _build_dynamic(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey, b
     eos = tokenizer.eos_token_id
     special = frozenset(int(i) for i in tokenizer.all_special_ids if i != eos)
     utf8_clean = np.array([utf8_prefix_ok(b) for b in token_bytes], dtype=np.bool_)
+    dynamic = DynamicTables(tables, token_bytes, special | {eos})
+    utf8_continuations = Utf8Continuations(token_bytes)
     return CompiledGrammar(
         key=key, lark_text=lark_text, tables=tables, mask_store=None, token_bytes=token_bytes,
         special_ids=special, utf8_clean=utf8_clean,
         tab_tokens=np.zeros(len(token_bytes), dtype=np.bool_), inside_lexeme={},
         span_candidates={}, state_codes=_state_codes(tables), ignore_whitespace=False,
         compile_seconds=time.perf_counter() - started, lexing="dynamic",
-        dynamic=DynamicTables(tables, token_bytes, special | {eos}))
+        dynamic=dynamic, utf8_continuations=utf8_continuations)
 
 
 def _lalr_parser(grammar: Grammar, lark_text: str, mods):

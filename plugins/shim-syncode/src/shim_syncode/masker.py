@@ -171,67 +171,66 @@ class SyncodeMaskerState(MaskerState):
         return self._mask
 
     def _compute_mask(self) -> np.ndarray:
+        """SynCode's store answer, corrected where grammar_strict is wrong (see compiled.py).
+
+        Everything is array work over precomputed token tables except the parser check of
+        multi-lexeme tokens, which runs only on those the span filter cannot rule out (the
+        per-token specification is :func:`shim_syncode.reference_mask.reference_mask`)."""
         masker = self.masker
         out = np.zeros(masker.vocab_size, dtype=np.bool_)
         if self._finished or self._broken is not None:
             return out
         parser = self._parser
-        if self._dynamic:
-            return self._compute_dynamic_mask(out)
-        result = parser.result
-        store = masker.compiled.mask_store
-        allowed = store._lookup_next_tokens(parser.remainder_fsm_states, result.remainder_state,
-                                            result.accept_sequences)
-        n = len(masker.compiled.token_bytes)
-        out[:n] = allowed.numpy() & ~masker.compiled.tab_tokens
         compiled = masker.compiled
-        firsts = {seq[0] for seq in result.accept_sequences}
-        spans = np.zeros(n, dtype=np.bool_)
-        for fsm_state in parser.remainder_fsm_states:
-            if fsm_state.terminal in firsts:
-                key = (fsm_state.terminal, fsm_state.state_id)
-                extra = compiled.inside_lexeme.get(key)
-                if extra is not None:
-                    out[:n] |= extra
-                extra = compiled.span_candidates.get(key)
-                if extra is not None:
-                    spans |= extra
+        n = len(compiled.token_bytes)
+        if self._dynamic:
+            out[:n] = parser.mask()
+            spans = None
+        else:
+            out[:n], spans = _store_mask(compiled, parser)
         out[masker._always_off] = False
         pending = parser.pending_bytes
-        token_bytes = compiled.token_bytes
-        if not pending:
-            out[:n] &= compiled.utf8_clean
-        else:  # mid-character: keep the tokens that continue it validly
-            for i in np.flatnonzero(out[:n]):
-                out[i] = utf8_prefix_ok(pending + token_bytes[i])
-        # Tokens spanning several lexemes, which SynCode's store never allows: check each one.
-        spans &= ~out[:n]
-        spans &= ~masker._always_off[:n]
-        for i in np.flatnonzero(spans):
-            if utf8_prefix_ok(pending + token_bytes[i]) and parser.would_accept(token_bytes[i]):
-                out[i] = True
+        utf8_ok = compiled.utf8_continuations.after(pending)
+        if utf8_ok is None:  # pending bytes that start no character: unreachable, but exact
+            utf8_ok = np.array([utf8_prefix_ok(pending + b) for b in compiled.token_bytes],
+                               dtype=np.bool_)
+        out[:n] &= utf8_ok
+        if spans is not None:
+            # Tokens spanning several lexemes, which SynCode's store never allows: rule out in
+            # bulk those whose inner lexemes the parser cannot take, then check the rest.
+            spans &= ~out[:n] & ~masker._always_off[:n] & utf8_ok
+            possible = compiled.span_filter.possible(parser)
+            if possible is not None:
+                spans &= possible
+            token_bytes = compiled.token_bytes
+            for i in np.flatnonzero(spans):
+                out[i] = parser.would_accept(token_bytes[i])
         eos = parser.accepts_end
         for i in masker.eos_token_ids:
             out[i] = eos
         return out
 
-    def _compute_dynamic_mask(self, out: np.ndarray) -> np.ndarray:
-        masker, parser = self.masker, self._parser
-        compiled = masker.compiled
-        n = len(compiled.token_bytes)
-        out[:n] = parser.mask()
-        out[masker._always_off] = False
-        pending = parser.pending_bytes
-        if not pending:
-            out[:n] &= compiled.utf8_clean
-        else:  # mid-character: keep the tokens that continue it validly
-            token_bytes = compiled.token_bytes
-            for i in np.flatnonzero(out[:n]):
-                out[i] = utf8_prefix_ok(pending + token_bytes[i])
-        eos = parser.accepts_end
-        for i in masker.eos_token_ids:
-            out[i] = eos
-        return out
+
+def _store_mask(compiled: CompiledGrammar, parser: FrontierParser
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """SynCode's grammar_strict lookup plus tokens that stay inside the lexeme, and the span
+    candidates (tokens that may close it and go on), before UTF-8 and special-token rules."""
+    result = parser.result
+    allowed = compiled.mask_store._lookup_next_tokens(
+        parser.remainder_fsm_states, result.remainder_state, result.accept_sequences)
+    out = allowed.numpy() & ~compiled.tab_tokens
+    firsts = {seq[0] for seq in result.accept_sequences}
+    spans = np.zeros(len(out), dtype=np.bool_)
+    for fsm_state in parser.remainder_fsm_states:
+        if fsm_state.terminal in firsts:
+            key = (fsm_state.terminal, fsm_state.state_id)
+            extra = compiled.inside_lexeme.get(key)
+            if extra is not None:
+                out |= extra
+            extra = compiled.span_candidates.get(key)
+            if extra is not None:
+                spans |= extra
+    return out, spans
 
 
 def compile_masker(grammar: Grammar, tokenizer, vocab_size: int | None = None,
