@@ -10,7 +10,7 @@ or overlong lead). Python's incremental decoder is lenient on cut-off surrogates
 from __future__ import annotations
 
 #: Well-formed UTF-8 (Unicode Table 3-7): lead byte range -> ranges of the bytes after it.
-_UTF8_FORMS = (
+UTF8_FORMS = (
     ((0x00, 0x7F), ()),
     ((0xC2, 0xDF), ((0x80, 0xBF),)),
     ((0xE0, 0xE0), ((0xA0, 0xBF), (0x80, 0xBF))),
@@ -29,7 +29,7 @@ def utf8_prefix_ok(data: bytes) -> bool:
     i, n = 0, len(data)
     while i < n:
         lead = data[i]
-        for (lo, hi), rest in _UTF8_FORMS:
+        for (lo, hi), rest in UTF8_FORMS:
             if lo <= lead <= hi:
                 break
         else:
