@@ -181,3 +181,27 @@ def test_explain_says_why_a_token_is_refused(files):
     assert "'a': refused (no terminal the state expects" in result.stdout
     bad = run("explain", "--grammar", files / "g.lark", "--after", "b", "--token", "a")
     assert bad.exit_code == 2 and "is not a prefix of the language" in bad.stderr
+
+
+def test_sample_reads_xgrammar_features_the_way_the_controller_was_fitted(tmp_path):
+    """An artefact fitted on XGrammar's absolute-offset state key (every artefact written
+    before the position-free default) still loads through the CLI: the masker is rebuilt with
+    the readout its manifest records instead of failing on the fingerprint."""
+    from shim_adapters.fitting import fit_controller
+    from shim_adapters.grammar import builtin_grammar
+    from shim_adapters.lm import load_lm
+    from shim_adapters.plugins import get_backend
+
+    lm = load_lm(None)
+    grammar = builtin_grammar("bv4")
+    masker = get_backend("xgrammar").compile(grammar, lm.tokenizer, lm.vocab_size,
+                                             start_positions="absolute")
+    art = tmp_path / "art"
+    fit_controller(lm, masker, grammar.default_prompt, n_samples=24, max_new_tokens=24,
+                   output_dir=art, progress=False)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["xgrammar_features"].startswith("start_positions=absolute")
+    sample = run("sample", "--grammar", "bv4", "--backend", "xgrammar", "--controller", art,
+                 "-n", "2", "--max-new-tokens", "24", "--seed", "0")
+    assert sample.exit_code == 0, sample.stderr
+    assert len(sample.stdout.splitlines()) == 2

@@ -298,7 +298,18 @@ def _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
 
 
 def _compile(setup: Setup, lm):
-    return setup.spec.compile(setup.grammar, lm.tokenizer, lm.vocab_size)
+    """The masker, reading features the way ``--controller``'s artefact was fitted: a masker
+    class with readout options (XGrammar's state key) names them with ``feature_options``."""
+    masker = setup.spec.compile(setup.grammar, lm.tokenizer, lm.vocab_size)
+    read_options = getattr(type(masker), "feature_options", None)
+    if setup.controller_dir is None or read_options is None:
+        return masker
+    from .artefact import read_manifest
+
+    wanted = read_options(read_manifest(setup.controller_dir))
+    if all(getattr(masker, name, value) == value for name, value in wanted.items()):
+        return masker
+    return setup.spec.compile(setup.grammar, lm.tokenizer, lm.vocab_size, **wanted)
 
 
 def _new_keywords(fn, **keywords) -> dict:
