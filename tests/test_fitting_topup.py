@@ -63,6 +63,10 @@ def test_thin_evidence_tops_up_from_the_untrusted_fit_until_the_cap(thin_fit):
     assert c.fallback_reason_ == "low_target_samples"
     assert t["fallback_reason"] == "low_target_samples"
     assert t["data_sampling"]["proposal"] == "masked+shim"
+    # P(L) from all 100 samples agrees with round 1's masked estimate (the LM is valid ~half
+    # the time on this prompt)
+    assert abs(t["p_valid_estimate_pooled"] - t["p_valid_estimate"]) < 0.15
+    assert 0.3 < t["p_valid_estimate_pooled"] < 0.8
 
 
 def test_the_top_up_record_round_trips_through_the_artefact(thin_fit, bv4, shipped_lm):
@@ -158,6 +162,8 @@ def test_pooled_target_weights_use_every_proposal(pooled):
         per(lq_mask), per(lq_shim)) + np.log(2)
     lw[~pool.valid] = -np.inf
     np.testing.assert_allclose(w, np.exp(lw - lw.max()), rtol=1e-9)
+    unscaled = mixture_target_weights(pool, [lq_mask, lq_shim], [40, 40], scaled=False)
+    np.testing.assert_allclose(unscaled, np.where(pool.valid, np.exp(lw), 0.0), rtol=1e-9)
     # one proposal: the balance heuristic is each completion's own ratio
     np.testing.assert_allclose(mixture_target_weights(masked, [masked_row_logprob(masked)],
                                                       [40]), target_weights(masked), rtol=1e-6)

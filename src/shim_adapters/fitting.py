@@ -258,6 +258,8 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
         history.append(entry)
         if keep:
             controller, targets = candidate, pooled
+    if len(parts) > 1:  # every LM sample drawn, by the balance heuristic
+        training["p_valid_estimate_pooled"] = pooled.p_valid_estimate
     training["max_samples"] = int(cap)
     training["lm_samples_total"] = int(spent)
     controller.target_ = chosen
@@ -313,8 +315,10 @@ def _pooled_targets(pool, parts: list[_Part]):
                                                              proposal.defensive))
             rows.append(part.row_logprob[k])
         per_proposal.append(np.concatenate(rows))
-    pooled.completion_weight = mixture_target_weights(
-        pool, per_proposal, [p.data.n_completions for p in parts])
+    counts = [p.data.n_completions for p in parts]
+    pooled.completion_weight = mixture_target_weights(pool, per_proposal, counts)
+    pooled.p_valid_estimate = float(np.mean(mixture_target_weights(pool, per_proposal, counts,
+                                                                   scaled=False)))
     return pooled
 
 

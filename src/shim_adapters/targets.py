@@ -144,10 +144,11 @@ def shim_row_logprob(data, controller, defensive: float = 0.0, chunk: int = 2048
     return out
 
 
-def mixture_target_weights(data, row_logprobs, counts) -> np.ndarray:
+def mixture_target_weights(data, row_logprobs, counts, scaled: bool = True) -> np.ndarray:
     """Per completion of a pool drawn from several proposals: its weight as a target sample
     by the balance heuristic, 1[x in L]·p(x) / Σ_k (n_k/N)·q_k(x), scaled to a largest weight
-    of 1 (:func:`target_weights`' scale).
+    of 1 (:func:`target_weights`' scale); ``scaled=False``: unscaled, so that their mean is an
+    unbiased estimate of P(L).
 
     ``row_logprobs[k]``: per row, log q_k(token) under proposal k (for *every* completion of
     the pool, not only k's own); ``counts[k]``: how many completions proposal k drew. Each
@@ -172,7 +173,7 @@ def mixture_target_weights(data, row_logprobs, counts) -> np.ndarray:
     log_p = np.bincount(data.row_completion, weights=data.row_lm_logprob.astype(np.float64),
                         minlength=data.n_completions)
     lw = log_p - log_mix
-    w = np.exp(lw - lw[valid].max())
+    w = np.exp(lw - lw[valid].max()) if scaled else np.exp(np.minimum(lw, 50.0))
     return np.where(valid, w, 0.0)
 
 
@@ -218,6 +219,8 @@ class Targets:
     completion_weight: np.ndarray  #: per completion, for the held-out criterion
     #: Fraction of rows whose importance label exceeded 1 and was clipped (SHIM proposals).
     clipped_fraction: float = 0.0
+    #: P(L) from every completion (the balance heuristic's mean weight), for pooled draws.
+    p_valid_estimate: float | None = None
 
     @property
     def effective_target_samples(self) -> float:
