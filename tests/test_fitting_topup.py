@@ -55,6 +55,7 @@ def test_thin_evidence_tops_up_from_the_untrusted_fit_until_the_cap(thin_fit):
         assert after["heldout_ess_before"] == before["heldout_effective_samples"]
         assert after["heldout_ess_after"] == after["heldout_effective_samples"]
         assert after["forward_tokens"] > 0 and "below the floor" in after["reason"]
+        assert 0 < after["heldout_ess_own_ratio"] <= after["lm_samples_total"]
     # more evidence: the pooled held-out ESS grew with every top-up
     ess = [r["heldout_effective_samples"] for r in rounds]
     assert all(b > a for a, b in zip(ess, ess[1:])), ess

@@ -30,8 +30,10 @@ The recipe depends on the regime, and the regime is measured, not guessed:
    spent; each top-up is a ``training.rounds`` entry (reason, ESS before/after, LM samples,
    forward tokens). A pool drawn from several proposals weights its completions as target
    samples by the balance heuristic, each scored under every proposal of the pool: the
-   own-proposal ratio is consistent too, but keeps the few huge masked weights that made the
-   evidence thin. The fallback to masking is unchanged: an untrusted fit still serves β = 0.
+   own-proposal ratio is exactly unbiased too, but keeps the few huge masked weights that made
+   the evidence thin (both ESS are recorded). As the later proposals were fitted on the earlier
+   draws, this is adaptive multiple importance sampling: consistent, not exactly unbiased.
+   The fallback to masking is unchanged: an untrusted fit still serves β = 0.
 Costs are counted as CARS does: LM positions evaluated (``forward_tokens``) per valid sample.
 """
 
@@ -105,7 +107,8 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
     from .evaluation.lm_views import stop_folded
     from .prompting import detect_line_answers, render_prompt
     from .sampling import prefill
-    from .targets import completion_log_ratio, make_targets
+    from .targets import completion_log_ratio, effective_sample_size, make_targets, \
+        target_weights
     from .training_data import concat_training_data, sample_training_data
 
     if target not in FIT_TARGETS:
@@ -248,7 +251,9 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                 "proposal_beta": float(proposer.beta_), "proposal_defensive": float(mix),
                 "heldout_ess_before": float(controller.heldout_effective_samples_),
                 "heldout_ess_after": float(candidate.heldout_effective_samples_),
-                "decision_after": candidate.decision_, "lm_samples_total": int(spent)})
+                "decision_after": candidate.decision_, "lm_samples_total": int(spent),
+                # the same pool weighted by each completion's own proposal ratio, for contrast
+                "heldout_ess_own_ratio": effective_sample_size(target_weights(pool))})
             log.warning("top-up %d: %d LM samples from the untrusted fit (β %.3g, defensive "
                         "%.2g): held-out ESS %.3g -> %.3g; %s", r, n_draw, proposer.beta_, mix,
                         controller.heldout_effective_samples_,
