@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("auto", "final", "rollout", "bootstrap"), help="SHIM training labels")
     p.add_argument("--rounds", type=int, default=1,
                    help="iterated refits on the controller's own rollouts (same budget)")
+    p.add_argument("--max-train", type=int, default=1000,
+                   help="cap on SHIM's LM samples: a fit not trusted only because its held-out "
+                        "evidence is thin tops up to it (0: no top-ups)")
     p.add_argument("--mixture-samples", type=int, default=0,
                    help="samples per masked method for the importance-sampled KL")
     p.add_argument("--resume", action="store_true",
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         asap_checkpoints=tuple(int(x) for x in a.asap_checkpoints.split(",")),
         timing_samples=a.timing_samples, n_bootstrap=a.n_bootstrap,
         max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, cut_draws=a.cut_draws,
-        target=a.target, rounds=a.rounds, mixture_samples=a.mixture_samples,
+        target=a.target, rounds=a.rounds, max_train=a.max_train or None,
+        mixture_samples=a.mixture_samples,
         resume=a.resume)
     methods = [m for m in report.methods if m != "rejection"]
     print(f"{'case':32s} {'|S|':>5s} " + " ".join(f"{m:>10s}" for m in methods))

@@ -113,6 +113,23 @@ def test_fit_passes_target_rounds_and_chat_through(files, monkeypatch):
     assert (files / "art" / "MODEL_CARD.md").is_file()
 
 
+def test_fit_passes_the_sample_cap_through(files, monkeypatch):
+    from shim_adapters import controller
+
+    seen = []
+
+    def fit(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *, output_dir=None,
+            max_new_tokens=128, seed=0, max_samples=1000, **kw):
+        seen.append(max_samples)
+        return _fake_fit([])(lm, masker, prompt, kind, n_samples, output_dir=output_dir)
+
+    monkeypatch.setattr(controller, "fit_controller", fit)
+    result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
+                 files / "art", "--n-samples", "7", "--max-samples", "300")
+    assert result.exit_code == 0, result.stderr
+    assert seen == [300]
+
+
 def test_fit_refuses_a_flag_this_build_does_not_take(files, monkeypatch):
     from shim_adapters import controller
 

@@ -364,6 +364,9 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
                                  "shim_adapters.targets).")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
               help="Iterated refits.")
+@click.option("--max-samples", default=1000, show_default=True, type=click.IntRange(min=1),
+              help="Cap on LM samples: a fit not trusted only because its held-out evidence "
+                   "is thin draws more (from masking mixed with the untrusted fit) up to it.")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt "
                                            "(instruct LMs).")
 @click.option("--seed", default=0, show_default=True)
@@ -375,7 +378,7 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
                                                      "as JSON instead of the summary.")
 def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                 prompt_file_alias, prompt_text, kind, n_samples, max_new_tokens, target, rounds,
-                chat, seed, threads, out_dir, as_json) -> None:
+                max_samples, chat, seed, threads, out_dir, as_json) -> None:
     """Sample the LM, fit a SHIM controller and save it as a checked artefact."""
     from .controller import fit_controller
     from .lm import load_lm
@@ -384,7 +387,8 @@ def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_f
     setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                    prompt_file_alias, prompt_text)
     extra = _new_keywords(fit_controller, target=(target, None, "--target"),
-                          rounds=(rounds, 1, "--rounds"), chat=(chat, False, "--chat"))
+                          rounds=(rounds, 1, "--rounds"), chat=(chat, False, "--chat"),
+                          max_samples=(max_samples, 1000, "--max-samples"))
     _threads(threads)
     lm = load_lm(lm_spec)
     masker = _compile(setup, lm)

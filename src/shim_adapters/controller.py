@@ -30,6 +30,7 @@ which keeps fitting 1,000 completions within seconds.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -287,21 +288,27 @@ class Controller:
         self.heldout_kl_gain_se_ = se
         self.heldout_weight_ = total
         self.heldout_best_beta_ = float(betas[best_b]) if len(betas) else float("nan")
+        #: Why the fit fell back: ``"no_target_samples"``, ``"low_target_samples"`` (the
+        #: evidence is too thin to judge: more samples may decide), ``"no_gain"``; None if not.
+        self.fallback_reason_ = None
         if not has_masking:
             self.falls_back_to_masking_ = False
             self.decision_ = "β grid has no 0: masking was not a candidate"
         elif not total > 0:
             self.falls_back_to_masking_ = True
+            self.fallback_reason_ = "no_target_samples"
             self.decision_ = ("correction does not help: no held-out completion is a sample of "
                               "the target; falling back to β=0 (plain masking)")
         elif ess < self.min_target_samples:
             self.falls_back_to_masking_ = True
+            self.fallback_reason_ = "low_target_samples"
             self.decision_ = (f"correction not trusted: only {ess:.3g} effective held-out target "
                               f"samples (needs >= {self.min_target_samples:g}; best β "
                               f"{betas[best_b]:g} would gain {gain:.3g} ± {se:.3g} nats); "
                               f"falling back to β=0 (plain masking)")
         elif best_b == 0 or not gain > max(self.min_gain_se * se, MIN_GAIN_NATS):
             self.falls_back_to_masking_ = True
+            self.fallback_reason_ = "no_gain"
             self.decision_ = (f"correction does not help on held-out completions (best β "
                               f"{betas[best_b]:g} gains {gain:.3g} ± {se:.3g} nats per target "
                               f"sample, needs > {self.min_gain_se:g} SE and > "
@@ -312,6 +319,23 @@ class Controller:
             self.decision_ = (f"correction helps: β {betas[best_b]:g} gains {gain:.3g} ± "
                               f"{se:.3g} nats per target sample over masking on held-out "
                               f"completions")
+
+    def untrusted_candidate(self) -> "Controller":
+        """A copy scoring at the best held-out β even where that β was not trusted.
+
+        For drawing more evidence only (``fit_controller``'s top-ups when the held-out target
+        ESS is too small): this controller keeps its own β and its fallback decision."""
+        if not hasattr(self, "heldout_best_beta_"):
+            raise ValueError(f"{type(self).__name__} is not fitted: call fit() first")
+        candidate = copy.copy(self)
+        candidate.__dict__.pop("_gamma_caches", None)  # the γ caches hold this β's values
+        candidate._cross_rows = {}
+        candidate.beta_ = float(self.heldout_best_beta_)
+        candidate.falls_back_to_masking_ = False
+        candidate.fallback_reason_ = None
+        candidate.decision_ = (f"untrusted candidate at β {candidate.beta_:g} (the fit's own "
+                               f"decision: {self.decision_})")
+        return candidate
 
     # ---- scoring --------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -503,6 +527,7 @@ class Controller:
                 "heldout_best_beta": getattr(self, "heldout_best_beta_", None),
                 "heldout_effective_samples": getattr(self, "heldout_effective_samples_", None),
                 "falls_back_to_masking": getattr(self, "falls_back_to_masking_", None),
+                "fallback_reason": getattr(self, "fallback_reason_", None),
                 "decision": getattr(self, "decision_", None),
                 "reg_on_grid_edge": getattr(self, "reg_on_grid_edge_", None)}
 

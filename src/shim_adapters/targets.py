@@ -98,6 +98,85 @@ def target_weights(data) -> np.ndarray:
     return np.where(valid, w, 0.0)
 
 
+def masked_row_logprob(data) -> np.ndarray:
+    """Per row: log q(token) under plain masking, log p(t) - log Z (exact: Z is stored)."""
+    return data.row_lm_logprob.astype(np.float64) - data.row_log_z.astype(np.float64)
+
+
+#: A token id no controller has a feature for: it scores like every unseen token.
+_NO_FEATURE_TOKEN = np.int64(2 ** 31 - 1)
+
+
+def shim_row_logprob(data, controller, defensive: float = 0.0, chunk: int = 2048
+                     ) -> np.ndarray:
+    """Per row: log q(token) under the SHIM proposal of ``controller`` (at its own β), mixed
+    per step with masking by ``defensive``, recomputed from the stored rows.
+
+    The normaliser Σ p·γ̂^β runs over the row's stored allowed set; the allowed mass the row
+    did not store (``row_log_z`` is exact) is scored like a token without features. This is
+    what the sampler computed for completions drawn from that proposal (checked against
+    ``row_proposal_logprob``) and what it *would* have computed for the others, which the
+    balance heuristic (:func:`mixture_target_weights`) needs."""
+    if not 0.0 <= defensive <= 1.0:
+        raise ValueError(f"defensive must lie in [0, 1], got {defensive}")
+    lq0 = masked_row_logprob(data)
+    if defensive == 1.0:
+        return lq0
+    out = np.empty(data.n_rows)
+    log_z = data.row_log_z.astype(np.float64)
+    for a in range(0, data.n_rows, chunk):
+        rows = range(a, min(a + chunk, data.n_rows))
+        allowed = [data.allowed(r) for r in rows]
+        ids = [np.append(i.astype(np.int64), _NO_FEATURE_TOKEN) for i, _ in allowed]
+        feats = [data.states[data.row_state[r]] for r in rows]
+        lgs = controller.predict_log_gamma_batch(feats, ids, damped=True)
+        for r, (tok_ids, lp), lg in zip(rows, allowed, lgs):
+            lp = lp.astype(np.float64)
+            stored = np.logaddexp.reduce(lp) if len(lp) else -np.inf
+            rest = log_z[r] + np.log1p(-min(np.exp(stored - log_z[r]), 1.0)) \
+                if stored < log_z[r] - 1e-7 else -np.inf
+            norm = np.logaddexp(np.logaddexp.reduce(lp + lg[:-1]), rest + lg[-1])
+            hit = np.flatnonzero(tok_ids == data.row_token[r])
+            own = lg[hit[0]] if len(hit) else lg[-1]
+            out[r] = float(data.row_lm_logprob[r]) + own - norm
+    if defensive > 0.0:
+        out = np.logaddexp(out + np.log1p(-defensive), lq0 + np.log(defensive))
+    return out
+
+
+def mixture_target_weights(data, row_logprobs, counts, scaled: bool = True) -> np.ndarray:
+    """Per completion of a pool drawn from several proposals: its weight as a target sample
+    by the balance heuristic, 1[x in L]·p(x) / Σ_k (n_k/N)·q_k(x), scaled to a largest weight
+    of 1 (:func:`target_weights`' scale); ``scaled=False``: unscaled, so that their mean is an
+    unbiased estimate of P(L).
+
+    ``row_logprobs[k]``: per row, log q_k(token) under proposal k (for *every* completion of
+    the pool, not only k's own); ``counts[k]``: how many completions proposal k drew. Each
+    completion's own-proposal ratio p/q_own is unbiased too, but one completion that masking
+    drew where SHIM would have put far more mass then carries a huge weight and the pool's
+    ESS stays that of the worst proposal; the balance heuristic bounds every weight by the
+    best proposal's ratio (Veach & Guibas 1995)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if len(row_logprobs) != len(counts) or not len(counts) or np.any(counts <= 0):
+        raise ValueError(f"one positive count per proposal is needed, got {len(row_logprobs)} "
+                         f"proposals and counts {counts.tolist()}")
+    if counts.sum() != data.n_completions:
+        raise ValueError(f"the counts add up to {int(counts.sum())} completions but the pool "
+                         f"holds {data.n_completions}")
+    valid = np.asarray(data.valid, dtype=bool)
+    if not valid.any():
+        return np.zeros(data.n_completions)
+    per = [np.bincount(data.row_completion, weights=np.asarray(lq, dtype=np.float64),
+                       minlength=data.n_completions) for lq in row_logprobs]
+    log_mix = np.logaddexp.reduce(np.stack(per) + np.log(counts / counts.sum())[:, None],
+                                  axis=0)
+    log_p = np.bincount(data.row_completion, weights=data.row_lm_logprob.astype(np.float64),
+                        minlength=data.n_completions)
+    lw = log_p - log_mix
+    w = np.exp(lw - lw[valid].max()) if scaled else np.exp(np.minimum(lw, 50.0))
+    return np.where(valid, w, 0.0)
+
+
 def effective_sample_size(weights: np.ndarray) -> float:
     """(Σw)² / Σw²: how many target samples the weighted completions are worth."""
     w = np.asarray(weights, dtype=np.float64)
@@ -140,6 +219,8 @@ class Targets:
     completion_weight: np.ndarray  #: per completion, for the held-out criterion
     #: Fraction of rows whose importance label exceeded 1 and was clipped (SHIM proposals).
     clipped_fraction: float = 0.0
+    #: P(L) from every completion (the balance heuristic's mean weight), for pooled draws.
+    p_valid_estimate: float | None = None
 
     @property
     def effective_target_samples(self) -> float:

@@ -52,6 +52,9 @@ class EvalOptions:
     target: str = "final"  # or "auto", "rollout", "bootstrap"
     #: Iterated refits within the SHIM training budget (``fit_controller(rounds=...)``).
     rounds: int = 1
+    #: Cap on SHIM's LM samples per problem: a fit not trusted only for want of held-out
+    #: evidence tops up to it (``fit_controller(max_samples=...)``); None: no top-ups.
+    max_train: int | None = None
     #: Samples per masked method for the importance-sampled KL (0: rejection-based only).
     mixture_samples: int = 0
     asap_samples: int = 100
@@ -380,9 +383,9 @@ def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions
         try:
             controller, manifest = fit_controller(
                 lm, masker, pre.prompt, SHIM_KINDS[name], n_train, data=data, prefilled=pre,
-                target=target, rounds=opts.rounds, max_new_tokens=max_new,
-                seed=opts.seed + 1, progress=False, batch_size=opts.batch_size,
-                stop_at_newline=case.stop_at_newline, chat=opts.chat, output_dir=directory)
+                target=target, rounds=opts.rounds, max_samples=opts.max_train,
+                max_new_tokens=max_new, seed=opts.seed + 1, progress=False,
+                batch_size=opts.batch_size, stop_at_newline=case.stop_at_newline, chat=opts.chat, output_dir=directory)
         except ValueError as exc:  # e.g. no training rows for the final target
             info[name] = {"error": str(exc), "target": target, "falls_back_to_masking": True}
             out[name] = None
@@ -390,7 +393,8 @@ def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions
             continue
         fit_seconds = time.perf_counter() - t0
         training = manifest["training"]
-        info[name] = {"fit_seconds": fit_seconds, "training_samples": n_train,
+        info[name] = {"fit_seconds": fit_seconds,
+                      "training_samples": training.get("lm_samples_total", n_train),
                       "training_sample_seconds": sample_seconds, "target": target,
                       "target_reason": target_info.get("target_reason"),
                       "p_valid_estimate": training.get("p_valid_estimate"),
@@ -403,6 +407,9 @@ def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions
                       "heldout_kl_gain_se": float(controller.heldout_kl_gain_se_),
                       "heldout_effective_samples": float(controller.heldout_effective_samples_),
                       "rounds": training.get("rounds"),
+                      "max_train": training.get("max_samples"),
+                      "lm_samples_total": training.get("lm_samples_total"),
+                      "fallback_reason": getattr(controller, "fallback_reason_", None),
                       "forward_tokens": training.get("data_forward_tokens"),
                       "forward_tokens_per_valid_sample":
                           training.get("forward_tokens_per_valid_sample"),
