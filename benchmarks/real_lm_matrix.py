@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spider-limit", type=int, default=4)
     p.add_argument("--first", default="",
                    help="comma-separated problem names to run before the others of their suite")
+    p.add_argument("--only", default="",
+                   help="comma-separated problem names: run only these (e.g. to split one "
+                        "suite over two processes with different --out; merge with "
+                        "benchmarks/matrix_merge.py)")
     p.add_argument("--redo", default="",
                    help="comma-separated problem names to recompute: their stored results are "
                         "dropped, the other problems are kept")
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--n-train {a.n_train} exceeds --max-train {a.max_train}")
     torch.set_num_threads(1)
     redo = {n for n in a.redo.split(",") if n}
+    only = {n for n in a.only.split(",") if n}
     if redo:
         known = set()
         for suite in a.suites.split(","):
@@ -99,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c.name for c in load_suite(suite, Path(a.data) / folder).cases]
         if suite == "spider":
             cases = cases[: a.spider_limit]
+        if only:
+            cases = [c for c in cases if c in only]
         out = Path(a.out) / suite
         done = set()
         if (out / "report.json").is_file():

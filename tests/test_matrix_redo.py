@@ -48,6 +48,35 @@ def test_the_cap_reaches_every_fit_and_is_reported(two_problems):
         assert sum(r["lm_samples"] for r in fit["rounds"]) == fit["lm_samples_total"]
 
 
+def _merge_script():
+    path = SCRIPT.parent / "matrix_merge.py"
+    spec = importlib.util.spec_from_file_location("matrix_merge", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_suite_split_over_two_folders_merges_back(two_problems, tmp_path):
+    """Runs before the redo test below, which drops problem b from the shared folder."""
+    import shutil
+
+    _, out = two_problems
+    first, second = tmp_path / "A" / "two", tmp_path / "B" / "two"
+    shutil.copytree(out, first)
+    shutil.copytree(out, second)
+    _matrix().drop_cases(first, {"b"})
+    _matrix().drop_cases(second, {"a"})
+    assert _merge_script().main([str(tmp_path / "B"), str(tmp_path / "A")]) == 0
+    merged = EvalReport.from_json(first / "report.json")
+    assert sorted(c["name"] for c in merged.cases) == ["a", "b"]
+    assert (first / "scores" / "b.safetensors").is_file()
+    assert (first / "controllers" / "b").is_dir()
+    original = {c["name"]: c for c in EvalReport.from_json(out / "report.json").cases}
+    for case in merged.cases:  # every number travels unchanged
+        before = original[case["name"]]
+        assert json.dumps(case, sort_keys=True) == json.dumps(before, sort_keys=True)
+
+
 def test_redo_drops_only_the_named_problems(two_problems):
     _, out = two_problems
     assert (out / "scores" / "b.safetensors").is_file() and (out / "controllers" / "b").is_dir()
