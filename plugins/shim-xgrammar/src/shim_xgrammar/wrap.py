@@ -37,6 +37,8 @@ class BorrowedMatcherState(XGrammarState):
     def record(self, token_id: int) -> None:
         """Note a token the owning processor has already accepted into the matcher."""
         self._token_ids.append(int(token_id))
+        if self._node is not None:
+            self._walk(int(token_id))
         if int(token_id) in self.masker.eos_token_ids:
             self._finished = True
 
