@@ -143,7 +143,9 @@ class MaskedLogitsProcessor(LogitsProcessor):
             return scores
         states = [self.states[i] for i in live]
         if hasattr(self.adjuster, "add_log_gamma_"):
-            return self.adjuster.add_log_gamma_(scores, states, live)
+            # the bitmask fill_bitmask() filled and __call__ applied: γ only where allowed
+            bitmask = self._bitmask if mask is None else None
+            return self.adjuster.add_log_gamma_(scores, states, live, bitmask=bitmask)
         if mask is None:
             mask = ~torch.isneginf(scores)
         mask_np = mask.cpu().numpy()

@@ -309,6 +309,11 @@ class XGrammarMasker(Masker):
     def new_state(self) -> "XGrammarState":
         return XGrammarState(self, self._xgr.GrammarMatcher(self.compiled), [], False)
 
+    def clear_key_trie(self) -> None:
+        """Forget the prefixes seen (benchmarks: time fresh sequences from a cold trie)."""
+        if self._trie is not None:
+            self._trie.reset()
+
     def key_trie_info(self) -> dict[str, int]:
         """Size of the token-prefix key memo (nodes, bound, dumps it saved; empty without)."""
         trie = self._trie
@@ -363,6 +368,9 @@ class _KeyTrie:
 
     def __init__(self, max_nodes: int):
         self.max_nodes = max_nodes
+        self.reset()
+
+    def reset(self) -> None:
         self.root = _TrieNode()
         self.nodes = 1
         self.served = self.dumped = 0
