@@ -352,12 +352,17 @@ class ShimWrapper(MaskedLogitsProcessor):
         bitmask = self.fill_bitmask()  # finished rows: EOS only; DeadEndError on an empty row
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)
-        self.masker.apply_token_bitmask_(scores, bitmask)
+        self._apply_mask(scores, bitmask)
         if dense_check:
             self._check_not_empty(scores)
         if self.adjuster is not None:
             self._apply_adjuster(scores)
         return scores
+
+    def _apply_mask(self, scores: torch.FloatTensor, bitmask: torch.Tensor) -> None:
+        """Hook: mask ``scores`` with the masker's packed masks (a wrapper whose backend has
+        already applied nearly the same mask may apply only the difference)."""
+        self.masker.apply_token_bitmask_(scores, bitmask)
 
     def _special_ids(self) -> torch.Tensor:
         """Control tokens of the tokenizer (EOS excluded): never output text."""
