@@ -11,8 +11,7 @@ phases in the same loop on the same states:
   + ``advance``);
 - ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
   the core's torch bit operations (:func:`shim_adapters.bitmask.apply_token_bitmask_`);
-- ``γ hit``: ``ShimAdjuster.add_log_gamma_`` (given the applied bitmask, as the processors
-  do) on steps where every row hit the warm γ cache;
+- ``γ hit``: ``ShimAdjuster.add_log_gamma_`` on steps where every row hit the warm γ cache;
   ``γ step``: the same over every timed step (misses included);
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
 - ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row).
@@ -136,7 +135,7 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
             # γ, cache as it is (first pass: cold, timed pass: warm from the first)
             missed = adjuster.cache.misses + adjuster.cache.encoding_hits
             t4 = time.perf_counter()
-            adjuster.add_log_gamma_(logits, states, bitmask=bitmask)
+            adjuster.add_log_gamma_(logits, states)
             t5 = time.perf_counter()
             if timed:
                 times["xgr apply"].append(ta - t1)
@@ -148,7 +147,7 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
                 warm = adjuster.cache
                 adjuster.cache = GammaCache(warm.controller, damped=warm.damped)
                 t6 = time.perf_counter()
-                adjuster.add_log_gamma_(logits, states, bitmask=bitmask)
+                adjuster.add_log_gamma_(logits, states)
                 t7 = time.perf_counter()
                 adjuster.cache = warm
                 times["γ miss"].append(t7 - t6)

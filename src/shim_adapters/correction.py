@@ -56,8 +56,8 @@ class ShimAdjuster:
         return index
 
     def add_log_gamma_(self, scores: torch.Tensor, states: Sequence[MaskerState],
-                       rows: Sequence[int] | None = None, *, exact: bool = False,
-                       bitmask: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+                       rows: Sequence[int] | None = None, *, exact: bool = False
+                       ) -> torch.Tensor:
         """Add β·log γ̂ to ``scores[rows[i]]`` for ``states[i]``, in place; returns ``scores``.
 
         ``scores``: (batch, vocab) logits, already masked (forbidden tokens at -inf stay -inf,
@@ -67,10 +67,7 @@ class ShimAdjuster:
         token without features of its own), which the softmax removes: sampling and
         log-probabilities after ``log_softmax`` are exactly those of :meth:`log_gamma`, at the
         cost of one gather-add over the controller's known tokens instead of a dense add.
-        ``exact=True`` adds the constant too (one more dense add). ``bitmask``: the packed
-        masks (int32, one row per row of ``scores``) already applied to ``scores``; with it a
-        sparse table adds only at the scored tokens the row allows (the others are -inf
-        either way), far fewer than all scored tokens at 50k+ vocabularies."""
+        ``exact=True`` adds the constant too (one more dense add)."""
         try:  # numpy on the logits' own memory (CPU, no grad): cheaper than torch here
             view = scores.numpy()
         except (TypeError, RuntimeError):
@@ -87,10 +84,6 @@ class ShimAdjuster:
                 if cache.dense:
                     target = view[row, :cache.width]
                     target += cache.table[entry.slot]
-                elif bitmask is not None:
-                    ids, values = cache.allowed_values(entry, _words(bitmask)[row])
-                    target = view[row]
-                    target[ids] += values
                 else:
                     target = view[row]
                     target[cache.columns] += cache.table[entry.slot]
@@ -117,12 +110,6 @@ class ShimAdjuster:
                 else:
                     row = view[rows[0]]
                     row[cache.columns] += table[entries[0].slot]
-            elif not dense and bitmask is not None:
-                words = _words(bitmask)
-                for r, e in zip(rows, entries):
-                    ids, values = cache.allowed_values(e, words[r])
-                    target = view[r]
-                    target[ids] += values
             else:
                 values = table[[e.slot for e in entries]]
                 if len(rows) == len(view) and (isinstance(rows, range) and rows.start == 0
@@ -159,10 +146,6 @@ class ShimAdjuster:
     def cache_info(self) -> dict[str, float]:
         """The γ cache's hit rates and memory (see :meth:`GammaCache.info`)."""
         return self.cache.info()
-
-
-def _words(bitmask) -> np.ndarray:
-    return bitmask if isinstance(bitmask, np.ndarray) else bitmask.numpy()
 
 
 class ShimLogitsProcessor(MaskedLogitsProcessor):

@@ -42,7 +42,7 @@ class GammaEntry:
     ``table[slot][i] = value(scored_token_ids[i]) - shared``. ``alive`` turns False when the
     entry is evicted (its slot is then reused): keys still pointing at it count as misses."""
 
-    __slots__ = ("slot", "shared", "ekey", "alive", "used", "sub")
+    __slots__ = ("slot", "shared", "ekey", "alive", "used")
 
     def __init__(self, slot: int, shared: float, ekey: tuple[bytes, bytes]):
         self.slot = slot
@@ -50,16 +50,12 @@ class GammaEntry:
         self.ekey = ekey
         self.alive = True
         self.used = False
-        #: sparse tables: (token ids, values, packed scored ids not among them) for the scored
-        #: tokens ever allowed at this entry (see GammaCache.allowed_values)
-        self.sub: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class GammaCache:
     """LRU cache of β·log γ̂ per state for one fitted controller (see the module docstring)."""
 
-    def __init__(self, controller, damped: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
-                 dense: bool | None = None):
+    def __init__(self, controller, damped: bool = True, max_bytes: int = DEFAULT_MAX_BYTES):
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.controller = controller
@@ -71,16 +67,13 @@ class GammaCache:
         scored = np.asarray(controller.scored_token_ids_, dtype=np.int64)
         span = int(scored.max()) + 1 if len(scored) else 1
         #: Dense rows (token ids 0..width-1, one contiguous add) when that is not much wider
-        #: than the scored tokens alone (``dense=None``); else one value per scored token (a
-        #: gather-add, restricted to the allowed ones when the caller gives the bitmask).
-        self.dense = span <= max(4096, 4 * len(scored)) if dense is None else bool(dense)
+        #: than the scored tokens alone; else one value per scored token (a gather-add).
+        self.dense = span <= max(4096, 4 * len(scored))
         self.width = span if self.dense else len(scored)
         #: The token id of each table column.
         self.columns = np.arange(span, dtype=np.int64) if self.dense else scored
         self._scored = scored
         self._row_bytes = 4 * self.width
-        self._scored_packed: np.ndarray | None = None  # built at the first allowed_values
-        self._sub_bytes = 0
         #: Per masker fingerprint (two maskers may read one dump differently): key -> entry;
         #: ``_keys`` finds a masker's table (weakly: a wrapper's masker may come and go).
         self._by_identity: dict[tuple, dict[Hashable, GammaEntry]] = {}
@@ -248,7 +241,6 @@ class GammaCache:
                 encoding[ekey] = entry
                 continue
             entry.alive = False
-            self._drop_sub(entry)
             self._free.append(entry.slot)
         for ekey, entry in kept:
             encoding[ekey] = entry
@@ -263,51 +255,8 @@ class GammaCache:
         if len(self._free) > len(self._table) // 2 and len(self._table) > 4:
             self._compact()
 
-    # ---- sparse tables: only the allowed tokens ------------------------------------------
-    def allowed_values(self, entry: GammaEntry, words: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """``entry``'s token ids and values restricted to the scored tokens ever allowed at it,
-        given this step's packed mask row ``words`` (int32, XGrammar's layout): a forbidden
-        token is -inf whatever is added, so this adds exactly what the full row would, at a
-        fraction of the fancy-index cost when few scored tokens are allowed (bv4: a handful
-        of a few thousand). A scored token the mask allows for the first time at this entry
-        (the state key does not fix the mask) extends the subset."""
-        sub = entry.sub
-        if sub is None or (words[:len(sub[2])] & sub[2]).any():
-            sub = self._extend_sub(entry, words)
-        return sub[0], sub[1]
-
-    def _extend_sub(self, entry: GammaEntry, words: np.ndarray):
-        scored = self.columns
-        if self._scored_packed is None:
-            n_words = int(scored.max()) // 32 + 1 if len(scored) else 1
-            packed = np.zeros(n_words, dtype=np.uint32)
-            np.bitwise_or.at(packed, scored >> 5, (1 << (scored & 31)).astype(np.uint32))
-            self._scored_packed = packed.view(np.int32)
-        n_words = len(self._scored_packed)
-        row = np.zeros(n_words, dtype=np.int32)
-        row[:min(n_words, len(words))] = words[:n_words]
-        allowed = (row[scored >> 5] >> (scored & 31)) & 1
-        old = entry.sub
-        keep = allowed.astype(bool)
-        if old is not None:
-            keep |= np.isin(scored, old[0])
-            self._sub_bytes -= old[0].nbytes + old[1].nbytes + old[2].nbytes
-        index = np.flatnonzero(keep)
-        ids = scored[index].astype(np.intp)
-        outside = self._scored_packed.view(np.uint32).copy()
-        np.bitwise_and.at(outside, ids >> 5, ~(1 << (ids & 31)).astype(np.uint32))
-        sub = entry.sub = (ids, self._table[entry.slot][index].copy(), outside.view(np.int32))
-        self._sub_bytes += ids.nbytes + sub[1].nbytes + sub[2].nbytes
-        return sub
-
-    def _drop_sub(self, entry: GammaEntry) -> None:
-        if entry.sub is not None:
-            self._sub_bytes -= sum(a.nbytes for a in entry.sub)
-            entry.sub = None
-
     def _live_bytes(self) -> int:
-        return len(self._by_encoding) * self.entry_bytes + self._key_bytes + self._sub_bytes
+        return len(self._by_encoding) * self.entry_bytes + self._key_bytes
 
     def _compact(self) -> None:
         """Move the live entries to a table just big enough for them."""
@@ -333,7 +282,6 @@ class GammaCache:
         self._table_t = torch.from_numpy(self._table)
         self._free = list(range(3, -1, -1))
         self._constant = None
-        self._sub_bytes = 0
         self.lookups = self.encoding_hits = self.misses = 0
 
     def info(self) -> dict[str, float]:

@@ -143,9 +143,7 @@ class MaskedLogitsProcessor(LogitsProcessor):
             return scores
         states = [self.states[i] for i in live]
         if hasattr(self.adjuster, "add_log_gamma_"):
-            # the bitmask fill_bitmask() filled and __call__ applied: γ only where allowed
-            bitmask = self._bitmask if mask is None else None
-            return self.adjuster.add_log_gamma_(scores, states, live, bitmask=bitmask)
+            return self.adjuster.add_log_gamma_(scores, states, live)
         if mask is None:
             mask = ~torch.isneginf(scores)
         mask_np = mask.cpu().numpy()
