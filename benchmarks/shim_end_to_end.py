@@ -6,8 +6,10 @@ over the XGrammar masker, ``shim_xgrammar.wrap.with_shim`` around XGrammar's pro
 no processor (the LM's own cost). Every run follows the same path, sampled once per repeat
 with XGrammar's processor and forced after the processor under test (:class:`ForcePath`, the
 same cost in every run), so the runs do identical LM work and differ only in the processor.
-Before the timed runs of a path, one untimed SHIM run warms the γ cache on it (the steady state
-of a long run; ``--cold`` skips it, and then new states pay the γ miss).
+Before each timed SHIM run, XGrammar's token-prefix key trie is emptied and one untimed SHIM
+run over *another* sampled path warms the γ cache and the trie (the steady state of a long run,
+where states recur but the timed path's own prefixes are not all known; ``--cold`` skips the
+warm-up, and then new states pay the γ miss).
 Time per token = generate wall time / tokens of the path (all rows, EOS once), best of
 ``--repeats``. The processor columns are the time inside each processor's calls (per token,
 best of the repeats), and the last ratios are (LM-only + processor) over the same for
@@ -133,12 +135,19 @@ def main() -> None:
                                       (controller, manifest), tokenizer=lm.tokenizer,
                                       grammar=grammar, batch_size=batch),
                 }
-                if args.warm:  # the γ cache warm on this path, as in a long run
-                    generate(lm, [ShimLogitsProcessor([masker.new_state()
-                                                       for _ in range(batch)], controller),
-                                  ForcePath(path, prompt_length)], enc, path.shape[1], eos,
-                             seed=rep)
+                # another sampled path: it warms the caches the way earlier samples of a
+                # long run would, without handing the timed path its own prefixes
+                _, other = generate(lm, [xgr.contrib.hf.LogitsProcessor(masker.compiled)], enc,
+                                    args.max_new_tokens, eos, seed=1000 + rep)
                 for name, proc in procs.items():
+                    if name in ("shim", "wrap"):
+                        masker.clear_key_trie()  # no prefix of the timed path known
+                        if args.warm:  # the γ cache warm on states, as in a long run
+                            generate(lm, [ShimLogitsProcessor([masker.new_state()
+                                                               for _ in range(batch)],
+                                                              controller),
+                                          ForcePath(other, prompt_length)], enc,
+                                     other.shape[1], eos, seed=rep)
                     force = ForcePath(path, prompt_length)
                     timed = None if proc is None else Timed(proc)
                     seconds, out = generate(lm, [force] if proc is None else [timed, force],

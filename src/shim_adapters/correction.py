@@ -3,8 +3,8 @@
 :class:`ShimAdjuster` is a :class:`~shim_adapters.generation.LogitAdjuster`: per step and row
 it reads the masker state's features once, computes the state part of the controller once,
 and scores every allowed token with one vectorised gather (all rows share one call of the
-controller's head). :class:`~shim_adapters.generation.MaskedLogitsProcessor` adds the values
-to the allowed tokens only, after masking, so a forbidden token stays at -inf: the masker's
+controller's head). :class:`~shim_adapters.generation.MaskedLogitsProcessor` masks after
+adding the values, so a forbidden token ends at -inf whatever was added: the masker's
 guarantee is untouched.
 """
 

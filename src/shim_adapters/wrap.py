@@ -352,6 +352,10 @@ class ShimWrapper(MaskedLogitsProcessor):
         bitmask = self.fill_bitmask()  # finished rows: EOS only; DeadEndError on an empty row
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)
+        elif self.adjuster is not None:  # γ, then the mask (as MaskedLogitsProcessor)
+            self._apply_adjuster(scores)
+            self._apply_mask(scores, bitmask)
+            return scores
         self._apply_mask(scores, bitmask)
         if dense_check:
             self._check_not_empty(scores)
