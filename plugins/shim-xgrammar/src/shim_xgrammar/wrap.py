@@ -118,13 +118,15 @@ class ShimXGrammarProcessor(ShimWrapper):
         the result is the intersection of the two masks, as a full apply would give."""
         masker = self.masker
         fix = masker._fix_words
-        ours = bitmask.numpy()
-        extra = self.inner.token_bitmask.numpy()[:, fix] & ~ours[:, fix]
+        extra = self._extra  # XGrammar's words & ~ours on the fix-up words (from _agree)
         finished = [row for row, state in enumerate(self.states) if state.is_finished]
-        if finished:
+        if finished:  # only EOS, as fill_bitmask's row (transformers pads these rows)
             extra[finished] = 0
-            masker._xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device),
-                                                    indices=finished)
+            eos = min(masker.eos_token_ids)
+            rows = torch.tensor(finished, device=scores.device)
+            kept = scores[rows, eos]
+            scores[rows] = float("-inf")
+            scores[rows, eos] = kept
         if extra.any():
             bits = np.unpackbits(np.ascontiguousarray(extra).view(np.uint8), axis=1,
                                  bitorder="little").astype(bool)
@@ -144,7 +146,8 @@ class ShimXGrammarProcessor(ShimWrapper):
         masker = self.masker
         fix = masker._fix_words
         theirs = self.inner.token_bitmask.numpy()[:, fix]
-        extra = theirs & ~bitmask.numpy()[:, fix]
+        extra = self._extra = theirs & ~bitmask.numpy()[:, fix]
+        extra = extra.copy()
         for row, state in enumerate(self.states):
             if state.is_finished:
                 extra[row] = 0
