@@ -119,6 +119,8 @@ class ShimAdjuster:
                         target += values
                     else:
                         view[:, cache.columns] += values
+                elif dense:  # some rows (the others finished): rows gathered, one slice
+                    view[np.asarray(rows, dtype=np.intp), :width] += values
                 else:
                     view[np.ix_(np.asarray(rows, dtype=np.intp), cache.columns)] += values
             if exact:
