@@ -101,8 +101,7 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
         clear_trie()
     for p, pass_seqs in enumerate((warm_seqs, seqs)):
         timed = p > 0
-        if timed:
-            trie_before = masker.key_trie_info() if clear_trie else {}
+        trie_counts = [0, 0]  # keys served by the trie, dumped
         nxt = [r % len(pass_seqs) for r in range(batch)]
         rows = [(masker.new_state(), xgr.GrammarMatcher(masker.compiled), pass_seqs[nxt[r]], 0)
                 for r in range(batch)]
@@ -134,9 +133,14 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
             # γ, cache as it is (first pass: cold, timed pass: warm from the first), before
             # the mask as the processors do (the mask sets forbidden tokens to -inf after)
             missed = adjuster.cache.misses + adjuster.cache.encoding_hits
+            before = masker.key_trie_info() if clear_trie else {}
             t4 = time.perf_counter()
             adjuster.add_log_gamma_(logits, states)
             t5 = time.perf_counter()
+            if timed and clear_trie is not None:  # keys of this call only (not the miss path)
+                after = masker.key_trie_info()
+                trie_counts[0] += after["served"] - before["served"]
+                trie_counts[1] += after["dumped"] - before["dumped"]
             masker.apply_token_bitmask_(logits, bitmask)
             if timed:
                 times["xgr apply"].append(ta - t1)
@@ -183,10 +187,9 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
         if not timed:
             hit_info = adjuster.cache_info()
         elif clear_trie is not None:
-            after = masker.key_trie_info()
-            served = after["served"] - trie_before["served"]
-            dumped = after["dumped"] - trie_before["dumped"]
-            trie_info = {"served": served / max(1, served + dumped), "nodes": after["nodes"]}
+            served, dumped = trie_counts
+            trie_info = {"served": served / max(1, served + dumped),
+                         "nodes": masker.key_trie_info()["nodes"]}
     return times, hit_info, trie_info
 
 
