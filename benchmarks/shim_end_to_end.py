@@ -15,8 +15,8 @@ warm-up, and then new states pay the γ miss).
 Time per token = generate wall time / tokens of the path (all rows, EOS once), best of
 ``--repeats``. The processor columns are the time inside each processor's calls (per token,
 best of the repeats), and the last ratios are (LM-only + processor) over the same for the
-backend's own processor: on a machine shared with other jobs they are far less noisy than whole-run wall
-times. Torch pinned to one thread.
+backend's own processor: on a machine shared with other jobs they are far less noisy than
+whole-run wall times. Torch pinned to one thread.
 
     python benchmarks/shim_end_to_end.py [--grammars bv4,json] [--batches 1,16,32]
         [--backends xgrammar,syncode,outlines] [--lm smollm2]

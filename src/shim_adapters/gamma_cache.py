@@ -224,8 +224,9 @@ class GammaCache:
 
     def _evict(self, keep: Sequence[GammaEntry]) -> None:
         """Oldest entries first, skipping once those hit since (CLOCK), until the memory
-        bound holds (those of the current step stay); their keys are dropped when looked up again, the oldest keys when keys alone
-        exceed the bound. The table shrinks to the live slots when it is mostly free."""
+        bound holds (those of the current step stay); their keys are dropped when looked up
+        again, the oldest inserted keys when keys alone exceed the bound. The table shrinks to
+        the live slots when it is mostly free."""
         keep_ids = {id(e) for e in keep}
         encoding = self._by_encoding
         kept = []
