@@ -222,11 +222,11 @@ def measure(args, lm, masker, controller, own, wrap, grammar, batch, eos, clear_
             if name in ("shim", "wrap"):
                 clear_trie()  # no prefix of the timed path known
                 if args.warm:  # the γ cache warm on states, as in a long run
-                warm_up = ShimLogitsProcessor([masker.new_state() for _ in range(batch)],
-                                              controller)
-                generate(lm, [warm_up, ForcePath(other, prompt_length, "warm-up SHIM")], enc,
-                         other.shape[1], eos, seed=rep)
-        proc = {"lm": lambda: None, "own": own, "wrap": wrap,
+                    warm_up = ShimLogitsProcessor([masker.new_state() for _ in range(batch)],
+                                                  controller)
+                    generate(lm, [warm_up, ForcePath(other, prompt_length, "warm-up SHIM")],
+                             enc, other.shape[1], eos, seed=rep)
+            proc = {"lm": lambda: None, "own": own, "wrap": wrap,
                     "shim": lambda: ShimLogitsProcessor(
                         [masker.new_state() for _ in range(batch)], controller)
                     }[name]()
