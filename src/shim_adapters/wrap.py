@@ -445,15 +445,23 @@ class ShimWrapper(MaskedLogitsProcessor):
         pass unknown bytes inside a string. No continuation of such a row is text, so masking
         them keeps every valid output; what a backend allows beyond that is still refused."""
         table = self._token_bytes()
+        verdicts = self.__dict__.setdefault("_utf8_verdicts", {})  # pending -> {token: ok}
         broken: list[int] = []
         for row in torch.nonzero(extra.any(dim=1))[:, 0].tolist():
             done = [table[t] for t in self.states[row].token_ids if t < len(table) and table[t]]
             pending = incomplete_tail(b"".join(done[-3:]))
+            known = verdicts.setdefault(pending, {})
+            row_broken = []
             for token_id in torch.nonzero(extra[row])[:, 0].tolist():
-                data = table[token_id]
-                if data and not utf8_prefix_ok(pending + data):
-                    extra[row, token_id] = False
-                    broken.append(token_id)
+                ok = known.get(token_id)
+                if ok is None:
+                    data = table[token_id]
+                    ok = known[token_id] = not data or utf8_prefix_ok(pending + data)
+                if not ok:
+                    row_broken.append(token_id)
+            if row_broken:
+                extra[row, row_broken] = False
+                broken.extend(row_broken)
         new = _first_time(self._warned_utf8, broken)
         if new:
             shown = ", ".join(f"{t} ({table[t]!r})" for t in new[:8])
