@@ -204,7 +204,9 @@ class XGrammarMasker(Masker):
         if parse_internal_state(probe._debug_print_internal_state()) is None:
             self._use_fallback_features("at start")
         if self._key_mode != 2:
-            self._trie = _shared_trie(tuple(sorted(self.fingerprint().items())))
+            # stop ids are compiled in (a stop token is no text), so they are part of it
+            self._trie = _shared_trie((tuple(sorted(self.fingerprint().items())),
+                                       tuple(sorted(self.eos_token_ids))))
 
     #: Artefacts written before the feature key was recorded used absolute offsets.
     legacy_fingerprint = {"xgrammar_features": "start_positions=absolute,position_feature=True"}
