@@ -11,14 +11,19 @@ phases in the same loop on the same states:
   + ``advance``);
 - ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
   the core's torch bit operations (:func:`shim_adapters.bitmask.apply_token_bitmask_`);
-- ``γ hit``: ``ShimAdjuster.add_log_gamma_`` with the γ cache warm;
+- ``γ hit``: ``ShimAdjuster.add_log_gamma_`` on steps where every row hit the warm γ cache;
+  ``γ step``: the same over every timed step (misses included);
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
 - ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row).
 
-Hit rates are those of the first (cold) pass over the samples in batch order. Torch pinned to
-one thread. Medians (p50) and p99 in µs per batch step.
+The caches (γ and XGrammar's token-prefix key trie) are warmed on one set of masked samples
+and the steps timed on a second, fresh set, so a hit pays the state dump wherever the
+prefix is new (``trie served``: the share of keys the trie gave without a dump).
 
-    python benchmarks/gamma_mask_cost.py [--samples 32] [--passes 3]
+Hit rates are those of the first (cold) pass over the warm-up samples in batch order. Torch
+pinned to one thread. Medians (p50) and p99 in µs per batch step.
+
+    python benchmarks/gamma_mask_cost.py [--samples 32]
 """
 
 from __future__ import annotations
@@ -77,24 +82,31 @@ def pct(values, q):
     return float(np.percentile(values, q)) * 1e6
 
 
-def time_batch(masker, adjuster, seqs, batch, passes):
-    """Per-step seconds of each phase; rows cycle through ``seqs``."""
+def time_batch(masker, adjuster, warm_seqs, seqs, batch):
+    """Per-step seconds of each phase over ``seqs`` (rows cycle through them), after one
+    untimed pass over ``warm_seqs`` from an empty γ cache and key trie (that pass gives the
+    hit rates). The timed sequences are fresh: their prefixes are not all in the key trie and
+    their states not all in the γ cache, as in real decoding."""
     width = masker.vocab_size
     bitmask = allocate_token_bitmask(batch, width)
     own_mask = allocate_token_bitmask(batch, width)
     base = torch.randn(batch, width)
     logits = base.clone()
     times = {k: [] for k in ("xgr own", "xgr apply", "core apply", "plugin mask", "γ hit",
-                             "γ miss", "γ old")}
-    hit_info = None
-    for p in range(passes):
-        if p == 0:
-            adjuster.cache.clear()
-        nxt = [r % len(seqs) for r in range(batch)]
-        rows = [(masker.new_state(), xgr.GrammarMatcher(masker.compiled), seqs[nxt[r]], 0)
+                             "γ step", "γ miss", "γ old")}
+    hit_info = trie_info = None
+    adjuster.cache.clear()
+    clear_trie = getattr(masker, "clear_key_trie", None)
+    if clear_trie is not None:
+        clear_trie()
+    for p, pass_seqs in enumerate((warm_seqs, seqs)):
+        timed = p > 0
+        trie_counts = [0, 0]  # keys served by the trie, dumped
+        nxt = [r % len(pass_seqs) for r in range(batch)]
+        rows = [(masker.new_state(), xgr.GrammarMatcher(masker.compiled), pass_seqs[nxt[r]], 0)
                 for r in range(batch)]
         next_seq = batch
-        total_steps = sum(len(s) for s in seqs)
+        total_steps = sum(len(s) for s in pass_seqs)
         done_steps = 0
         while done_steps < total_steps:
             states = [r[0] for r in rows]
@@ -112,21 +124,30 @@ def time_batch(masker, adjuster, seqs, batch, passes):
             tb = time.perf_counter()
             apply_token_bitmask_(logits, own_mask)
             tc = time.perf_counter()
-            times["xgr apply"].append(ta - t1)
-            times["core apply"].append(tc - tb)
             # plugin mask (advance timed below, after γ has read the state)
             logits.copy_(base)
             t2 = time.perf_counter()
             for r, state in enumerate(states):
                 state.fill_next_token_bitmask(bitmask, r)
             t3 = time.perf_counter()
-            masker.apply_token_bitmask_(logits, bitmask)
-            # γ, cache as it is (first pass: cold, later passes: warm)
+            # γ, cache as it is (first pass: cold, timed pass: warm from the first), before
+            # the mask as the processors do (the mask sets forbidden tokens to -inf after)
+            missed = adjuster.cache.misses + adjuster.cache.encoding_hits
+            before = masker.key_trie_info() if clear_trie else {}
             t4 = time.perf_counter()
             adjuster.add_log_gamma_(logits, states)
             t5 = time.perf_counter()
-            if p > 0:
-                times["γ hit"].append(t5 - t4)
+            if timed and clear_trie is not None:  # keys of this call only (not the miss path)
+                after = masker.key_trie_info()
+                trie_counts[0] += after["served"] - before["served"]
+                trie_counts[1] += after["dumped"] - before["dumped"]
+            masker.apply_token_bitmask_(logits, bitmask)
+            if timed:
+                times["xgr apply"].append(ta - t1)
+                times["core apply"].append(tc - tb)
+                times["γ step"].append(t5 - t4)
+                if adjuster.cache.misses + adjuster.cache.encoding_hits == missed:
+                    times["γ hit"].append(t5 - t4)  # every row of the step hit
                 # miss path: the same step with an empty γ cache (encoder caches warm)
                 warm = adjuster.cache
                 adjuster.cache = GammaCache(warm.controller, damped=warm.damped)
@@ -148,8 +169,9 @@ def time_batch(masker, adjuster, seqs, batch, passes):
             for state, (_, _, seq, i) in zip(states, rows):
                 state.advance(seq[i])
             t11 = time.perf_counter()
-            times["xgr own"].append(t1 - t0)
-            times["plugin mask"].append(t3 - t2 + t11 - t10)
+            if timed:
+                times["xgr own"].append(t1 - t0)
+                times["plugin mask"].append(t3 - t2 + t11 - t10)
             # move rows on; a finished row starts the next sequence
             new_rows = []
             for state, matcher, seq, i in rows:
@@ -157,21 +179,25 @@ def time_batch(masker, adjuster, seqs, batch, passes):
                 if i + 1 < len(seq):
                     new_rows.append((state, matcher, seq, i + 1))
                 else:
-                    s = seqs[next_seq % len(seqs)]
+                    s = pass_seqs[next_seq % len(pass_seqs)]
                     next_seq += 1
                     new_rows.append((masker.new_state(), xgr.GrammarMatcher(masker.compiled),
                                      s, 0))
             rows = new_rows
-        if p == 0:
+        if not timed:
             hit_info = adjuster.cache_info()
-    return times, hit_info
+        elif clear_trie is not None:
+            served, dumped = trie_counts
+            trie_info = {"served": served / max(1, served + dumped),
+                         "nodes": masker.key_trie_info()["nodes"]}
+    return times, hit_info, trie_info
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=32, help="masked samples replayed")
+    parser.add_argument("--samples", type=int, default=32,
+                        help="masked samples to warm the caches on, and as many fresh ones timed")
     parser.add_argument("--train", type=int, default=150, help="completions to fit on")
-    parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--grammars", default="bv4,json")
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--features", default="position-free",
@@ -187,8 +213,9 @@ def main() -> None:
         toks.append((name, load_offline_tokenizer(name), offline_logits_width(name)))
     lines = []
     head = ("| tokenizer | vocab | grammar | batch | xgr fill+accept p50 | plugin fill+advance "
-            "p50 | xgr apply p50 | core apply p50 | γ hit p50 | γ hit p99 | γ miss p50 | "
-            "γ old p50 | γ hit / xgr fill+accept | hit rate | head-skip rate | cache KiB |")
+            "p50 | xgr apply p50 | core apply p50 | γ hit p50 | γ hit p99 | γ step p50 | "
+            "γ miss p50 | γ old p50 | γ hit / xgr fill+accept | γ step / xgr fill+accept | "
+            "all-hit steps | trie served | hit rate | head-skip rate | cache KiB |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     with threadpool_limits(limits=1):
         for gname in args.grammars.split(","):
@@ -196,37 +223,45 @@ def main() -> None:
             own = backend.compile(grammar, lm.tokenizer, lm.vocab_size, **options)
             data = sample_training_data(lm, own, grammar.default_prompt, args.train,
                                         max_new_tokens=96, seed=0, progress=False)
-            masked = generate_masked(lm.model, lm.tokenizer, own, grammar.default_prompt,
-                                     args.samples, max_new_tokens=96, seed=1)
-            texts = [t for t, c in zip(masked.texts, masked.complete) if c]
+            texts = {}
+            for part, seed in (("warm", 1), ("timed", 2)):
+                masked = generate_masked(lm.model, lm.tokenizer, own, grammar.default_prompt,
+                                         args.samples, max_new_tokens=96, seed=seed)
+                texts[part] = [t for t, c in zip(masked.texts, masked.complete) if c]
             for tname, tokenizer, width in toks:
                 masker = own if tname == "shipped" else backend.compile(grammar, tokenizer,
                                                                         width, **options)
                 d = data if tname == "shipped" else replay_texts(masker, data.texts,
                                                                  data.valid.copy())
                 ctrl = LR_FULL(n_splits=2).fit(d)
-                seqs = replayable(masker, texts)
+                warm_seqs = replayable(masker, texts["warm"])
+                seqs = replayable(masker, texts["timed"])
                 for batch in (int(b) for b in args.batches.split(",")):
                     adjuster = ShimAdjuster(ctrl)
-                    adjuster.cache.clear()
-                    times, info = time_batch(masker, adjuster, seqs, batch, args.passes)
+                    times, info, trie = time_batch(masker, adjuster, warm_seqs, seqs, batch)
                     own_p50 = pct(times["xgr own"], 50)
-                    hit_p50 = pct(times["γ hit"], 50)
+                    hit_p50 = pct(times["γ hit"], 50) if times["γ hit"] else float("nan")
+                    step_p50 = pct(times["γ step"], 50)
                     lines.append(
                         f"| {tname} | {width} | {gname} | {batch} | {own_p50:.1f} | "
                         f"{pct(times['plugin mask'], 50):.1f} | "
                         f"{pct(times['xgr apply'], 50):.1f} | "
                         f"{pct(times['core apply'], 50):.1f} | {hit_p50:.1f} | "
-                        f"{pct(times['γ hit'], 99):.1f} | {pct(times['γ miss'], 50):.1f} | "
+                        f"{pct(times['γ hit'], 99) if times['γ hit'] else float('nan'):.1f} | "
+                        f"{step_p50:.1f} | {pct(times['γ miss'], 50):.1f} | "
                         f"{pct(times['γ old'], 50):.1f} | {hit_p50 / own_p50:.2f} | "
+                        f"{step_p50 / own_p50:.2f} | "
+                        f"{len(times['γ hit']) / len(times['γ step']):.2f} | "
+                        f"{trie['served']:.2f} | "
                         f"{info['hit_rate']:.2f} | {info['head_skip_rate']:.2f} | "
                         f"{info['bytes'] / 1024:.0f} |")
                     print(lines[-1], flush=True)
     print()
     print("\n".join(lines))
     print(f"\nµs per batch step, torch threads = {torch.get_num_threads()}; LR_FULL fitted on "
-          f"{args.train} completions; {args.samples} masked samples replayed, {args.passes} "
-          f"passes (the first, cold, gives the hit rates); {args.features} features")
+          f"{args.train} completions; caches warmed on {args.samples} masked samples (that "
+          f"cold pass gives the hit rates), timed on {args.samples} fresh ones; "
+          f"{args.features} features")
 
 
 if __name__ == "__main__":

@@ -164,3 +164,25 @@ def test_gamma_cache_keys_are_shared_by_maskers_with_one_fingerprint(setups, lm)
                             start_positions="absolute", position_feature=True)
     adj.add_log_gamma_(scores, [_walk(other, [1, 2])])
     assert adj.cache_info()["keys"] == after["keys"] + 1  # its own key table
+
+
+def test_batch_one_gamma_add_is_log_gamma_up_to_a_constant(setups):
+    """The batch-1 fast path (one state, exact=False) adds log_gamma's values up to one
+    constant per row, on a miss and on a hit, into the row it is given and no other."""
+    masker, _, ctrl = setups["bv4"]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    adj.cache.clear()
+    for i in range(6):
+        state = _walk(masker, [i, 3 * i, 5 * i])
+        allowed = state.allowed_token_ids()
+        (expected,) = adj.log_gamma([state], [allowed])
+        for attempt in ("miss", "hit"):
+            scores = torch.zeros((4, masker.vocab_size))
+            adj.add_log_gamma_(scores, [state], [2])
+            got = scores[2, allowed].numpy()
+            np.testing.assert_allclose(got - got[0], expected - expected[0], atol=1e-5)
+            assert not scores[[0, 1, 3]].any()
+    info = adj.cache_info()
+    assert info["lookups"] == 12 and info["hits"] >= 6
+    with pytest.raises(ValueError, match="1 state but 2 rows"):
+        adj.add_log_gamma_(torch.zeros((2, masker.vocab_size)), [state], [0, 1])

@@ -396,3 +396,56 @@ def test_feature_key_determines_the_features(compile_grammar, tokenizer, options
         for token in tokenizer.encode('{"abc": [1, 2, ', add_special_tokens=False):
             b.advance(token)
         assert a.feature_key() == b.feature_key()
+
+
+def _dumped_key(state):
+    """The key straight from the matcher's dump, bypassing the prefix trie."""
+    node, state._node = state._node, None
+    try:
+        return state.feature_key()
+    finally:
+        state._node = node
+
+
+@pytest.mark.parametrize("grammar_name", ["json", "bv4"])
+def test_key_trie_serves_the_dumped_key(compile_grammar, grammar_name):
+    """The token-prefix trie skips XGrammar's dump on a prefix seen before: the key it serves
+    must be the dump's, on every step of walks that share prefixes, through fork()."""
+    masker = compile_grammar(builtin_grammar(grammar_name))
+    trie = masker._trie
+    assert trie is not None
+    served_before = trie.served
+    rng = np.random.default_rng(1)
+    eos = masker.eos_token_ids
+    for walk in range(12):
+        state = masker.new_state()
+        for step in range(40):
+            assert state.feature_key() == _dumped_key(state), (walk, step, state.token_ids)
+            allowed = [t for t in state.allowed_token_ids() if t not in eos]
+            if not allowed:
+                break
+            # few choices early, so walks share prefixes and the trie serves them
+            pick = allowed[:2] if step < 6 else allowed
+            state.advance(int(rng.choice(pick)))
+            if step == 8:
+                twin = state.fork()
+                assert twin.feature_key() == _dumped_key(twin) == state.feature_key()
+    assert trie.served > served_before  # the shared prefixes were served without a dump
+
+
+def test_key_trie_is_bounded(compile_grammar):
+    """A full trie starts over: keys stay right, nodes stay under the bound."""
+    masker = compile_grammar(builtin_grammar("json"))
+    trie = masker._trie
+    bound, trie.max_nodes = trie.max_nodes, trie.nodes + 5
+    try:
+        rng = np.random.default_rng(2)
+        for _ in range(3):
+            state = masker.new_state()
+            for _ in range(12):
+                assert state.feature_key() == _dumped_key(state)
+                allowed = [t for t in state.allowed_token_ids() if t not in masker.eos_token_ids]
+                state.advance(int(rng.choice(allowed)))
+                assert trie.nodes <= trie.max_nodes
+    finally:
+        trie.max_nodes = bound

@@ -3,8 +3,8 @@
 :class:`ShimAdjuster` is a :class:`~shim_adapters.generation.LogitAdjuster`: per step and row
 it reads the masker state's features once, computes the state part of the controller once,
 and scores every allowed token with one vectorised gather (all rows share one call of the
-controller's head). :class:`~shim_adapters.generation.MaskedLogitsProcessor` adds the values
-to the allowed tokens only, after masking, so a forbidden token stays at -inf: the masker's
+controller's head). :class:`~shim_adapters.generation.MaskedLogitsProcessor` masks after
+adding the values, so a forbidden token ends at -inf whatever was added: the masker's
 guarantee is untouched.
 """
 
@@ -21,7 +21,7 @@ from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generati
 from .protocol import Masker, MaskerState
 
 
-_NUMPY_DTYPES = (torch.float32, torch.float64)
+_NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class ShimAdjuster:
@@ -68,21 +68,39 @@ class ShimAdjuster:
         log-probabilities after ``log_softmax`` are exactly those of :meth:`log_gamma`, at the
         cost of one gather-add over the controller's known tokens instead of a dense add.
         ``exact=True`` adds the constant too (one more dense add)."""
-        if scores.dim() != 2:
+        try:  # numpy on the logits' own memory (CPU, no grad): cheaper than torch here
+            view = scores.numpy()
+        except (TypeError, RuntimeError):
+            view = None
+        else:
+            if view.dtype not in _NUMPY_DTYPES:
+                view = None
+            elif len(states) == 1 and view.ndim == 2 and not exact:  # batch 1: the hot path
+                cache = self.cache
+                row = 0 if rows is None else rows[0]
+                if rows is not None and len(rows) != 1:
+                    raise ValueError(f"1 state but {len(rows)} rows")
+                entry = cache.entry(states[0])
+                if cache.dense:
+                    target = view[row, :cache.width]
+                    target += cache.table[entry.slot]
+                else:
+                    target = view[row]
+                    target[cache.columns] += cache.table[entry.slot]
+                return scores
+        if (view.ndim if view is not None else scores.dim()) != 2:
             raise ValueError(f"scores must be (batch, vocab), got shape {tuple(scores.shape)}")
         if rows is None:
             rows = range(len(states))
-        if len(rows) != len(states):
+        elif len(rows) != len(states):
             raise ValueError(f"{len(states)} states but {len(rows)} rows")
         if not len(states):
             return scores
         cache = self.cache
         entries = cache.entries(states)
-        batch = scores.shape[0]
-        if scores.is_cpu and not scores.requires_grad and scores.dtype in _NUMPY_DTYPES:
-            # numpy on the logits' own memory: at these sizes a torch call costs more than
-            # the work (one fancy add at batch 1, one gather-add for a batch)
-            view = scores.numpy()
+        if view is not None:
+            # at these sizes a torch call costs more than the work: one add at batch 1, one
+            # gather-add for a batch
             table = cache.table
             dense, width = cache.dense, cache.width  # dense: columns are token ids 0..width-1
             if len(entries) == 1:
@@ -94,19 +112,22 @@ class ShimAdjuster:
                     row[cache.columns] += table[entries[0].slot]
             else:
                 values = table[[e.slot for e in entries]]
-                if len(rows) == batch and (isinstance(rows, range) and rows.start == 0
-                                           or all(r == i for i, r in enumerate(rows))):
+                if len(rows) == len(view) and (isinstance(rows, range) and rows.start == 0
+                                               or all(r == i for i, r in enumerate(rows))):
                     if dense:
                         target = view[:, :width]
                         target += values
                     else:
                         view[:, cache.columns] += values
+                elif dense:  # some rows (the others finished): rows gathered, one slice
+                    view[np.asarray(rows, dtype=np.intp), :width] += values
                 else:
                     view[np.ix_(np.asarray(rows, dtype=np.intp), cache.columns)] += values
             if exact:
                 shared = np.array([e.shared for e in entries], dtype=view.dtype)
                 view[np.asarray(rows, dtype=np.intp)] += shared[:, None]
             return scores
+        batch = scores.shape[0]
         index = self._scored_index(scores.device)
         slots = torch.tensor([e.slot for e in entries], dtype=torch.long)
         values = cache.table_tensor.index_select(0, slots)

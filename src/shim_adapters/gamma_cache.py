@@ -76,9 +76,12 @@ class GammaCache:
         self._row_bytes = 4 * self.width
         #: Per masker fingerprint (two maskers may read one dump differently): key -> entry;
         #: ``_keys`` finds a masker's table (weakly: a wrapper's masker may come and go).
-        self._by_identity: dict[tuple, OrderedDict[Hashable, GammaEntry]] = {}
-        self._keys: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
+        self._by_identity: dict[tuple, dict[Hashable, GammaEntry]] = {}
+        self._keys: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
         self._by_encoding: OrderedDict[tuple[bytes, bytes], GammaEntry] = OrderedDict()
+        #: (weak masker, its key table) of the last lookup: a weak dict's get costs a
+        #: weakref per call
+        self._last_keys: tuple = (_dead_ref, None)
         self._n_keys = 0
         self._key_bytes = 0
         self._table = np.zeros((4, self.width), dtype=np.float32)
@@ -106,42 +109,64 @@ class GammaCache:
         return self._row_bytes + _ENTRY_OVERHEAD
 
     def entry(self, state: MaskerState) -> GammaEntry:
-        """The correction at ``state`` (computed and stored on a miss)."""
-        return self.entries([state])[0]
+        """The correction at ``state`` (computed and stored on a miss): the batch-1 hot path."""
+        ref, keys = self._last_keys
+        if self.state_free or state.masker is not ref():
+            return self.entries([state])[0]
+        key = state.feature_key()
+        hit = keys.get(key)
+        self.lookups += 1
+        if hit is not None and hit.alive:
+            hit.used = True
+            return hit
+        hit = self._miss(keys, key, hit, state)
+        self._bound([hit])
+        return hit
 
     def entries(self, states: Sequence[MaskerState]) -> list[GammaEntry]:
-        """The corrections at ``states`` (the hot path: one key and one lookup per state)."""
+        """The corrections at ``states`` (the hot path: one key and one lookup per state; a
+        hit moves nothing: eviction is CLOCK on entries, keys go oldest inserted first)."""
         if self.state_free:
             return [self._constant_entry(s) for s in states]
         out = []
         append = out.append
-        keys_of = self._keys
-        masker = keys = None
+        masker, keys = self._last_keys
+        masker = masker()
+        missed = False
         for state in states:
             if state.masker is not masker:
                 masker = state.masker
-                keys = keys_of.get(masker)
+                keys = self._keys.get(masker)
                 if keys is None:
-                    keys = keys_of[masker] = self._keys_for(masker)
+                    keys = self._keys[masker] = self._keys_for(masker)
+                self._last_keys = (weakref.ref(masker), keys)
             key = state.feature_key()
             hit = keys.get(key)
             if hit is not None and hit.alive:
-                keys.move_to_end(key)
                 hit.used = True  # second chance at eviction (CLOCK), cheaper than a move
                 append(hit)
                 continue
-            if hit is None:
-                self._n_keys += 1
-                self._key_bytes += _size_of(key) + _KEY_OVERHEAD
-            hit = keys[key] = self._lookup_encoded(state)
-            self._by_encoding.move_to_end(hit.ekey)
-            append(hit)
+            missed = True
+            append(self._miss(keys, key, hit, state))
         self.lookups += len(states)
-        if len(self._by_encoding) > 1 and self._live_bytes() > self.max_bytes:
-            self._evict(out)
+        if missed:  # memory grows only on a miss (a new key or entry)
+            self._bound(out)
         return out
 
-    def _keys_for(self, masker) -> "OrderedDict[Hashable, GammaEntry]":
+    def _miss(self, keys: dict, key: Hashable, stale: GammaEntry | None,
+              state: MaskerState) -> GammaEntry:
+        if stale is None:
+            self._n_keys += 1
+            self._key_bytes += _size_of(key) + _KEY_OVERHEAD
+        hit = keys[key] = self._lookup_encoded(state)
+        self._by_encoding.move_to_end(hit.ekey)
+        return hit
+
+    def _bound(self, keep: Sequence[GammaEntry]) -> None:
+        if len(self._by_encoding) > 1 and self._live_bytes() > self.max_bytes:
+            self._evict(keep)
+
+    def _keys_for(self, masker) -> "dict[Hashable, GammaEntry]":
         """The key table of maskers with ``masker``'s fingerprint (same grammar, tokenizer,
         width, backend version and feature readout read a state dump the same way), so a
         wrapper built afresh per ``generate`` call finds its keys warm."""
@@ -151,7 +176,7 @@ class GammaCache:
             identity = ("masker", id(masker))
         table = self._by_identity.get(identity)
         if table is None:
-            table = self._by_identity[identity] = OrderedDict()
+            table = self._by_identity[identity] = {}
         return table
 
     def _constant_entry(self, state: MaskerState) -> GammaEntry:
@@ -199,8 +224,9 @@ class GammaCache:
 
     def _evict(self, keep: Sequence[GammaEntry]) -> None:
         """Oldest entries first, skipping once those hit since (CLOCK), until the memory
-        bound holds (those of the current step stay); their keys are dropped when looked up again, the oldest keys when keys alone
-        exceed the bound. The table shrinks to the live slots when it is mostly free."""
+        bound holds (those of the current step stay); their keys are dropped when looked up
+        again, the oldest inserted keys when keys alone exceed the bound. The table shrinks to
+        the live slots when it is mostly free."""
         keep_ids = {id(e) for e in keep}
         encoding = self._by_encoding
         kept = []
@@ -249,6 +275,7 @@ class GammaCache:
         for entry in self._by_encoding.values():
             entry.alive = False
         self._keys.clear()
+        self._last_keys = (_dead_ref, None)
         self._by_identity.clear()
         self._by_encoding.clear()
         self._n_keys = self._key_bytes = 0
@@ -282,6 +309,11 @@ def shared_gamma_cache(controller, damped: bool = True,
     if cache is None:
         cache = caches[key] = GammaCache(controller, damped=damped, max_bytes=max_bytes)
     return cache
+
+
+def _dead_ref():
+    """A weak reference that is always dead (no last masker yet)."""
+    return None
 
 
 def _size_of(key: Hashable) -> int:

@@ -352,12 +352,21 @@ class ShimWrapper(MaskedLogitsProcessor):
         bitmask = self.fill_bitmask()  # finished rows: EOS only; DeadEndError on an empty row
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)
-        self.masker.apply_token_bitmask_(scores, bitmask)
+        elif self.adjuster is not None:  # γ, then the mask (as MaskedLogitsProcessor)
+            self._apply_adjuster(scores)
+            self._apply_mask(scores, bitmask)
+            return scores
+        self._apply_mask(scores, bitmask)
         if dense_check:
             self._check_not_empty(scores)
         if self.adjuster is not None:
             self._apply_adjuster(scores)
         return scores
+
+    def _apply_mask(self, scores: torch.FloatTensor, bitmask: torch.Tensor) -> None:
+        """Hook: mask ``scores`` with the masker's packed masks (a wrapper whose backend has
+        already applied nearly the same mask may apply only the difference)."""
+        self.masker.apply_token_bitmask_(scores, bitmask)
 
     def _special_ids(self) -> torch.Tensor:
         """Control tokens of the tokenizer (EOS excluded): never output text."""
@@ -436,15 +445,23 @@ class ShimWrapper(MaskedLogitsProcessor):
         pass unknown bytes inside a string. No continuation of such a row is text, so masking
         them keeps every valid output; what a backend allows beyond that is still refused."""
         table = self._token_bytes()
+        verdicts = self.__dict__.setdefault("_utf8_verdicts", {})  # pending -> {token: ok}
         broken: list[int] = []
         for row in torch.nonzero(extra.any(dim=1))[:, 0].tolist():
             done = [table[t] for t in self.states[row].token_ids if t < len(table) and table[t]]
             pending = incomplete_tail(b"".join(done[-3:]))
+            known = verdicts.setdefault(pending, {})
+            row_broken = []
             for token_id in torch.nonzero(extra[row])[:, 0].tolist():
-                data = table[token_id]
-                if data and not utf8_prefix_ok(pending + data):
-                    extra[row, token_id] = False
-                    broken.append(token_id)
+                ok = known.get(token_id)
+                if ok is None:
+                    data = table[token_id]
+                    ok = known[token_id] = not data or utf8_prefix_ok(pending + data)
+                if not ok:
+                    row_broken.append(token_id)
+            if row_broken:
+                extra[row, row_broken] = False
+                broken.extend(row_broken)
         new = _first_time(self._warned_utf8, broken)
         if new:
             shown = ", ".join(f"{t} ({table[t]!r})" for t in new[:8])

@@ -37,18 +37,24 @@ class BorrowedMatcherState(XGrammarState):
     def record(self, token_id: int) -> None:
         """Note a token the owning processor has already accepted into the matcher."""
         self._token_ids.append(int(token_id))
+        if self._node is not None:
+            self._walk(int(token_id))
         if int(token_id) in self.masker.eos_token_ids:
             self._finished = True
 
-    def borrow_bitmask(self, processor, row: int) -> None:
+    def borrow_bitmask(self, processor, row: int, wrapper=None) -> None:
         """Take this row's mask from the owning processor's bitmask (it filled it this call)
-        instead of filling it a second time."""
-        self._processor, self._row = processor, row
+        instead of filling it a second time; ``wrapper``: the ShimXGrammarProcessor that has
+        already copied every row of it into the bitmask being filled (one copy per call)."""
+        self._processor, self._row, self._wrapper = processor, row, wrapper
 
     def _fill_raw(self, bitmask, row: int) -> None:
         processor = getattr(self, "_processor", None)
         if processor is None:
             return super()._fill_raw(bitmask, row)
+        wrapper = self._wrapper
+        if wrapper is not None and wrapper._copied is bitmask and row == self._row:
+            return  # the wrapper copied XGrammar's rows into this bitmask already
         _numpy_view(bitmask)[row] = processor.token_bitmask.numpy()[self._row]
 
     def advance(self, token_id: int) -> None:
@@ -88,8 +94,47 @@ class ShimXGrammarProcessor(ShimWrapper):
                                f"{rows} rows")
         states = [BorrowedMatcherState(self.masker, m, [], False) for m in matchers]
         for row, state in enumerate(states):
-            state.borrow_bitmask(self.inner, row)
+            state.borrow_bitmask(self.inner, row, self)
         return states
+
+    _copied = None  # the bitmask that holds XGrammar's rows of this call
+
+    def fill_bitmask(self) -> torch.Tensor:
+        """XGrammar's bitmask of this call in one copy, then the masker's fix-ups per row."""
+        theirs = self.inner.token_bitmask
+        if self._bitmask is None or self._bitmask.shape != theirs.shape:
+            self._bitmask = torch.empty_like(theirs)
+        self._bitmask.copy_(theirs)
+        self._copied = self._bitmask
+        try:
+            return super().fill_bitmask()
+        finally:
+            self._copied = None
+
+    def _apply_mask(self, scores: torch.FloatTensor, bitmask: torch.Tensor) -> None:
+        """XGrammar's call has applied its own mask; the masker's differs only in the fix-up
+        words (control tokens, padding, EOS) and, for finished rows, in being EOS only. So
+        only those are masked here, instead of a second pass of the kernel over the batch:
+        the result is the intersection of the two masks, as a full apply would give."""
+        masker = self.masker
+        fix = masker._fix_words
+        extra = self._extra  # XGrammar's words & ~ours on the fix-up words (from _agree)
+        finished = [row for row, state in enumerate(self.states) if state.is_finished]
+        if finished:  # only EOS, as fill_bitmask's row (transformers pads these rows)
+            extra[finished] = 0
+            eos = min(masker.eos_token_ids)
+            rows = torch.tensor(finished, device=scores.device)
+            kept = scores[rows, eos]
+            scores[rows] = float("-inf")
+            scores[rows, eos] = kept
+        if extra.any():
+            bits = np.unpackbits(np.ascontiguousarray(extra).view(np.uint8), axis=1,
+                                 bitorder="little").astype(bool)
+            rows, cols = np.nonzero(bits)
+            ids = fix[cols // 32] * 32 + cols % 32
+            keep = ids < scores.shape[-1]
+            scores[torch.from_numpy(rows[keep]).to(scores.device),
+                   torch.from_numpy(ids[keep]).to(scores.device)] = float("-inf")
 
     def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
         state.record(token_id)
@@ -101,7 +146,8 @@ class ShimXGrammarProcessor(ShimWrapper):
         masker = self.masker
         fix = masker._fix_words
         theirs = self.inner.token_bitmask.numpy()[:, fix]
-        extra = theirs & ~bitmask.numpy()[:, fix]
+        extra = self._extra = theirs & ~bitmask.numpy()[:, fix]
+        extra = extra.copy()
         for row, state in enumerate(self.states):
             if state.is_finished:
                 extra[row] = 0
