@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shim_adapters.controller import make_controller
-from shim_adapters.evaluation.lm_views import stop_folded
+from shim_adapters.evaluation.lm_views import gqa_without_copies, stop_folded
 from shim_adapters.evaluation.suites import load_suite
 from shim_adapters.lm import load_lm
 from shim_adapters.plugins import get_backend
@@ -32,6 +32,7 @@ def main(data_dir: str) -> None:
     torch.set_num_threads(1)
     case = next(c for c in load_suite("bv4", data_dir).cases if c.name == CASE)
     lm = load_lm("smollm2")
+    gqa_without_copies(lm)  # as run_eval does: same arithmetic, no per-head KV copies
     masker = get_backend("xgrammar").compile(case.grammar, lm.tokenizer, lm.vocab_size)
     if case.stop_at_newline:
         lm = stop_folded(lm, masker.eos_token_ids)
