@@ -5,6 +5,9 @@
         --eos '<|im_end|>' --grammar a.lark --grammar b.regex --junit-xml conformance.xml
     python -m shim_adapters.conformance --profile-file conformance/profiles/full.json \\
         --out conformance/reports
+    # a killed matrix run continues where it stopped (cells in <out>/<stem>.cells.jsonl):
+    python -m shim_adapters.conformance --profile-file conformance/profiles/full.json \\
+        --out conformance/reports --resume
 
 Fails closed: the exit status is the OR of the failing classes selected by ``--fail-on``
 (default soundness, completeness, dead-ends, errors, control-tokens): 1 soundness, 2
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .report import FAILURE_CLASSES, Report, parse_fail_on
 
@@ -48,6 +52,16 @@ def main(argv=None) -> int:
     ap.add_argument("--junit-xml", default=None, help="also write a JUnit XML report here")
     ap.add_argument("--out", default=None, help="directory for the JSON + markdown report")
     ap.add_argument("--stem", default=None, help="report file name stem")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --profile-file and --out: keep the cells already in "
+                         "<out>/<stem>.cells.jsonl and run only the rest (refused when that "
+                         "log ran under other settings)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="with --profile-file and --out: discard an existing cell log")
+    ap.add_argument("--import-cells", action="append", default=[], metavar="REPORT.json[=PROVENANCE]",
+                    help="before a resumable run: take the cells of an earlier report run "
+                         "under the same settings (PROVENANCE, e.g. the commit holding it, "
+                         "is recorded as their commit)")
     args = ap.parse_args(argv)
     try:
         fail_on = parse_fail_on(args.fail_on)
@@ -78,15 +92,26 @@ def main(argv=None) -> int:
 def _run(ap, args, fail_on) -> Report:
     if args.profile_file:
         overrides = {} if args.seed is None else {"seed": args.seed}
+        log_path = None
+        if args.out:
+            log_path = Path(args.out) / f"{args.stem or _default_stem(args.profile_file)}.cells.jsonl"
+            if args.fresh and log_path.exists():
+                log_path.unlink()
+        elif args.resume or args.import_cells:
+            ap.error("--resume and --import-cells need --out (the cell log lives there)")
+        imports = [tuple(item.split("=", 1)) if "=" in item else (item, f"imported from {item}")
+                   for item in args.import_cells]
 
         def checkpoint(partial):
             if args.out:  # a long matrix leaves a readable partial report behind
                 partial.meta["partial"] = True
-                partial.write(args.out, args.stem)
+                partial.write(args.out, args.stem or _default_stem(args.profile_file))
 
         report = run_profile_file(args.profile_file, checkpoint=checkpoint,
-                                  fail_on=fail_on if args.fail_on else None, **overrides)
+                                  fail_on=fail_on if args.fail_on else None, log_path=log_path,
+                                  resume=args.resume, import_reports=imports, **overrides)
         report.meta.pop("partial", None)
+        args.stem = args.stem or _default_stem(args.profile_file)
         return report
     if not (args.backend and args.grammar):
         ap.error("give --backend and --grammar, or --profile-file")
@@ -100,6 +125,11 @@ def _run(ap, args, fail_on) -> Report:
         else:
             report.merge(one)
     return report
+
+
+def _default_stem(profile_file: str) -> str:
+    """``conformance-<profile file name>``: one report and cell log per profile file."""
+    return f"conformance-{Path(profile_file).stem}"
 
 
 if __name__ == "__main__":
