@@ -83,6 +83,22 @@ def test_a_crashing_masker_is_an_error_never_a_pass():
     assert "errors" in report.failing_classes()
 
 
+@pytest.mark.parametrize("fault,check,kind,klass", [
+    ("stuck_late", "no_dead_ends", "dead_end", "dead-ends"),
+    ("no_raise", "tokenizer_edges", "forbidden_text_not_refused", "completeness"),
+    ("short_mask", "soundness", "mask_shape", "soundness"),
+])
+def test_each_remaining_check_class_catches_its_injected_fault(fault, check, kind, klass):
+    report = _run(faulty_backend(get_backend("xgrammar"), fault))
+    cell = report.cells[0]
+    assert cell.error is None, cell.error  # a finding with a repro, not a crash
+    result = cell.checks[check]
+    assert result.failed and any(r.kind == kind and not r.known_bug for r in result.failures), \
+        [r.one_line() for r in result.failures]
+    assert report.exit_code & FAILURE_CLASSES[klass][0]
+    assert klass in report.failing_classes()
+
+
 def test_a_backend_that_cannot_compile_the_asked_grammar_fails_the_run():
     report = _run("syncode", grammar=str(ROOT / "conformance" / "grammars" / "email.regex"))
     assert report.cells[0].error and report.exit_code & FAILURE_CLASSES["errors"][0]

@@ -100,6 +100,24 @@ def test_a_backend_that_drops_the_schema_is_caught_token_by_token(person):
     assert not prefix_checker(person).viable(inside[0].prefix_text + inside[0].added_text)
 
 
+def test_a_backend_that_drops_the_schema_bounds_is_caught_on_a_bound(person):
+    report = run_conformance(faulty_backend(get_backend("xgrammar"), "drops_schema_bounds"),
+                             "default", PERSON, "fast", **SMALL)
+    sound = report.cells[0].checks["soundness"]
+    assert report.exit_code & FAILURE_CLASSES["soundness"][0]
+    unbounded = json.loads(person.text)
+    for node in (unbounded["properties"]["name"], unbounded["properties"]["tags"],
+                 unbounded["properties"]["tags"]["items"]):
+        for kw in ("minLength", "maxLength", "maxItems"):
+            node.pop(kw, None)
+    without = prefix_checker(Grammar(json.dumps(unbounded), "json_schema", "unbounded"))
+    # The repros are texts the schema without its bounds takes and the schema refuses.
+    on_bound = [r for r in sound.failures if not r.known_bug and r.added_text is not None
+                and without.viable(r.prefix_text + r.added_text)
+                and not prefix_checker(person).viable(r.prefix_text + r.added_text)]
+    assert on_bound, [r.one_line() for r in sound.failures]
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
 def test_schema_backends_raise_only_their_known_bugs(backend):
     report = run_conformance(backend, "default", PERSON, "fast", **SMALL)
