@@ -101,7 +101,10 @@ class CellLog:
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
-                if number == len(lines):  # the process died while writing its last line
+                if number == len(lines):  # the process died while writing its last line:
+                    # drop it, so the next cell starts a line of its own
+                    self.path.write_text("".join(f"{kept}\n" for kept in lines[:-1]),
+                                         encoding="utf-8")
                     break
                 raise ResumeMismatchError(f"{self.path}:{number}: not JSON") from None
             if entry.get("kind") == "cell":
