@@ -173,6 +173,21 @@ def test_known_bugs_match_the_construct_and_version_only():
     assert expected_known_bugs("xgrammar", "0.3.0", schema) == []
 
 
+@pytest.mark.parametrize("prefix,token,known", [
+    ('{"name":"a\\', "u", True),       # the escape's backslash came in an earlier token
+    ('{"name":"a', "\\u00", True),     # the whole escape start in one token
+    ('{"name":', '"\\u', True),        # a token that opens the string and starts the escape
+    ('{"name":', '"\\n', False),       # a short escape: not this bug
+    ('{"name":"a\\\\', "u", False),   # an escaped backslash, then a plain 'u'
+])
+def test_the_unicode_escape_bug_matches_wherever_the_escape_starts(prefix, token, known):
+    schema = load_grammar(PERSON)
+    repro = Repro("completeness", "valid_token_refused", "outlines", "shipped", "person.json",
+                  prefix, [], 1, token, "refused", added_text=token)
+    expected = "outlines-core-schema-unicode-escape-refused" if known else None
+    assert match_known_bug(repro, "outlines_core 0.2.14", schema) == expected
+
+
 def test_a_known_bug_that_no_longer_reproduces_is_reported_stale():
     # binary5 has no JSON string: pretend the raw-control-chars bug applied here by asking
     # for the schema cell on a backend version where the entry applies but the cell is clean.

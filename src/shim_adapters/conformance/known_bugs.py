@@ -114,21 +114,28 @@ def _json_whitespace_beyond_one_space(token_text: str) -> bool:
 
 
 def _starts_unicode_escape(prefix: str, added: str) -> bool:
-    """The token writes (part of) a \\u escape inside a JSON string: its text, with the
-    prefix's unfinished escape, contains an unescaped backslash followed by 'u'."""
-    if not _inside_json_string(prefix):
-        return False
-    run = len(prefix) - len(prefix.rstrip("\\"))
-    text = "\\" * (run % 2) + added
-    escaped = False
-    for i, ch in enumerate(text):
-        if escaped:
-            if ch == "u":
-                return True
-            escaped = False
-        elif ch == "\\":
-            escaped = True
+    """The token writes (part of) a \\u escape inside a JSON string: read from the prefix's
+    string/escape state on, its text has a backslash-u inside a string (a token may also open
+    the string first, as '"\\u' does after a key's colon)."""
+    inside = escaped = False
+    for ch in prefix:
+        inside, escaped = _json_string_step(inside, escaped, ch)
+    for ch in added:
+        if inside and escaped and ch == "u":
+            return True
+        inside, escaped = _json_string_step(inside, escaped, ch)
     return False
+
+
+def _json_string_step(inside: bool, escaped: bool, ch: str) -> tuple[bool, bool]:
+    """(inside a string, after an unescaped backslash) once ``ch`` is read."""
+    if not inside:
+        return ch == '"', False
+    if escaped:
+        return True, False
+    if ch == "\\":
+        return True, True
+    return ch != '"', False
 
 
 def _adds_del_or_c1(r: Repro) -> bool:
