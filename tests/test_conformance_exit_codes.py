@@ -169,6 +169,16 @@ def test_known_bugs_match_the_construct_and_version_only():
         "outlines-core-schema-integer-bounds"
     assert match_known_bug(missing, "outlines_core 0.2.14", schema) is None
     assert match_known_bug(bounds, "outlines_core 0.3.0", schema) is None
+
+    def token(prefix, text):
+        return Repro("soundness", "unsound_token", "outlines", "shipped", "person.json",
+                     prefix, [], 1, text, "allowed", added_text=text)
+
+    # The relaxed reading now ends a plain integer at its bound: the same bug, token by token.
+    assert match_known_bug(token('{"name":"a","age":837', ","), "outlines_core 0.2.14",
+                           schema) == "outlines-core-schema-integer-bounds"
+    assert match_known_bug(token('{"name":"abcdefghijkl', "m"), "outlines_core 0.2.14",
+                           schema) is None  # maxLength: another construct
     assert "xgrammar-schema-raw-control-chars" in expected_known_bugs("xgrammar", "0.2.9", schema)
     assert expected_known_bugs("xgrammar", "0.3.0", schema) == []
 

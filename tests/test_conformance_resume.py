@@ -132,3 +132,19 @@ def test_cli_resume_writes_the_assembled_report_and_needs_an_out_dir(first_run, 
     assert "--resume" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         conformance_main(["--profile-file", str(profile), "--resume"])
+
+
+def test_rerun_runs_matching_logged_cells_again_and_their_differentials(first_run, tmp_path):
+    profile, log_path, _report, _said = first_run
+    copy = tmp_path / log_path.name
+    shutil.copy(log_path, copy)
+    said: list[str] = []
+    report = run_profile_file(profile, progress=said.append, log_path=copy, resume=True,
+                              rerun=["outlines/*/*"])
+    assert _ran(said) == ["outlines x shipped x binary5", "outlines x shipped x semver.regex"]
+    assert sum("differential" in m for m in said) == 2 and len(report.cells) == 4
+    kinds = [e["kind"] for e in _lines(copy)]
+    assert kinds.count("cell") == 6 and kinds.count("differential") == 4
+    again: list[str] = []
+    run_profile_file(profile, progress=again.append, log_path=copy, resume=True)
+    assert _ran(again) == []  # the newest line of each cell is the one kept

@@ -47,7 +47,12 @@ def person():
     ('{"n\\u0061me":"x"', True, False),                   # another spelling of the key
     ('{"nick', False, False),                             # additionalProperties false
     ('{"name":"a","age":12', True, True),
-    ('{"name":"a","age":121', True, False),               # maximum 120: relaxed drops it
+    ('{"name":"a","age":121', True, False),               # maximum 120: 121.0e-1 is viable
+    ('{"name":"a","age":121,', False, False),             # a plain 121 that ended: dead
+    ('{"name":"a","age":120.0,', True, False),            # 120.0 is an integer
+    ('{"name":"a","age":1.2e2,', True, False),
+    ('{"name":"a","age":-0,', True, False),               # -0 is the integer 0
+    ('{"name":"a","age":-1,', False, False),              # minimum 0
     ('{"name":"a","age":1.0', True, False),               # 1.0 is an integer
     ('{"name":"a","age":"1"', False, False),              # wrong type
     (OK + '"us', True, True),

@@ -58,6 +58,9 @@ def main(argv=None) -> int:
                          "log ran under other settings)")
     ap.add_argument("--fresh", action="store_true",
                     help="with --profile-file and --out: discard an existing cell log")
+    ap.add_argument("--rerun", action="append", default=[], metavar="BACKEND/TOKENIZER/GRAMMAR",
+                    help="with --resume: run logged cells matching this glob again (e.g. "
+                         "'*/*/person.json' after a change to the schema reference)")
     ap.add_argument("--import-cells", action="append", default=[], metavar="REPORT.json[=PROVENANCE]",
                     help="before a resumable run: take the cells of an earlier report run "
                          "under the same settings (PROVENANCE, e.g. the commit holding it, "
@@ -109,7 +112,8 @@ def _run(ap, args, fail_on) -> Report:
 
         report = run_profile_file(args.profile_file, checkpoint=checkpoint,
                                   fail_on=fail_on if args.fail_on else None, log_path=log_path,
-                                  resume=args.resume, import_reports=imports, **overrides)
+                                  resume=args.resume, import_reports=imports,
+                                  rerun=args.rerun, **overrides)
         report.meta.pop("partial", None)
         args.stem = args.stem or _default_stem(args.profile_file)
         return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import platform
 import random
 import time
@@ -229,7 +230,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                compare: bool = True, gamma: bool = True,
                progress: Callable[[str], None] | None = print,
                checkpoint: Callable[[Report], None] | None = None, fail_on=None,
-               log: CellLog | None = None, **profile_overrides) -> Report:
+               log: CellLog | None = None, rerun: Sequence[str] = (),
+               **profile_overrides) -> Report:
     """Every backend x tokenizer x grammar, then the differential check per tokenizer x grammar.
 
     ``checkpoint(report)`` is called after each tokenizer x grammar (e.g. to write a partial
@@ -237,7 +239,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     key may be omitted = all); excluded cells are listed in the report with the reason.
     ``log``: a :class:`CellLog`; its finished cells are taken as they are (not rerun), each new
     cell and differential is appended as soon as it finishes, and ``report.meta`` says how
-    many planned cells remain.
+    many planned cells remain. ``rerun``: glob patterns on ``backend/tokenizer/grammar``;
+    logged cells matching one are run again (the new result replaces the logged one).
     """
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
@@ -250,7 +253,9 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     grammar_names = [_grammar_label(g) for g in grammars]
     plan = [(b, tokenizer_label(t), g) for t in tokenizers for g in grammar_names for b in names
             if not _excluded(exclude, b, tokenizer_label(t), g)]
-    done = log.cells if log is not None else {}
+    done = dict(log.cells) if log is not None else {}
+    for key in [k for k in done if any(fnmatch.fnmatchcase("/".join(k), pat) for pat in rerun)]:
+        del done[key]
     report.meta["planned_cells"] = len(plan)
 
     def remaining() -> int:
@@ -339,18 +344,13 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
 
 def _group_differential(log, tok_name, gram_name, contexts, reused, tok, gram, prof, say,
                         names):
-    """The differential of one tokenizer x grammar: the logged one when it covers every
-    backend that compiled there, else rerun (recompiling the maskers of cells taken from the
-    log; checks are not rerun)."""
-    covered = set(log.differentials[(tok_name, gram_name)].backends) if (
-        log is not None and (tok_name, gram_name) in log.differentials) else set()
-    wanted = {ctx.masker.backend_name for ctx in contexts} | set(reused)
-    if covered and wanted <= covered:
-        return log.differentials[(tok_name, gram_name)]
-    if len(wanted) < 2:
-        return None
-    if tok is None or gram is None:  # every cell logged, the logged differential is older
+    """The differential of one tokenizer x grammar: the logged one when no cell of it ran in
+    this process, else rerun over every backend that compiled there (recompiling the maskers
+    of cells taken from the log; their checks are not rerun)."""
+    if not contexts:  # every cell taken from the log: so is its differential
         return log.differentials.get((tok_name, gram_name)) if log is not None else None
+    if len(set(reused) | {ctx.masker.backend_name for ctx in contexts}) < 2:
+        return None
     for name in reused:
         _cell, ctx = compile_cell(_resolve_backend(name), tok, gram, prof)
         if ctx is not None:
@@ -395,7 +395,7 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                      checkpoint: Callable[[Report], None] | None = None, fail_on=None,
                      log_path: str | Path | None = None, resume: bool = False,
                      import_reports: Sequence[tuple[str | Path, str]] = (),
-                     **profile_overrides) -> Report:
+                     rerun: Sequence[str] = (), **profile_overrides) -> Report:
     """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
     installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
     names or paths relative to the file), ``exclude`` (cells with a reason), ``gamma``
@@ -405,7 +405,8 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
     ``resume`` its finished cells are kept and only the rest run (a log written under other
     settings is refused; without ``resume`` an existing log is refused). ``import_reports``:
     (report JSON, provenance) pairs of earlier runs under the same settings whose cells the
-    log takes before the run starts."""
+    log takes before the run starts. ``rerun``: glob patterns (``backend/tokenizer/grammar``)
+    of logged cells to run again."""
     path = Path(path)
     spec, grammars, prof, gamma = _read_profile_file(path, profile_overrides)
     log = None
@@ -422,7 +423,7 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                         exclude=spec.get("exclude", ()), progress=progress,
                         checkpoint=checkpoint,
                         fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
-                        gamma=gamma, log=log)
+                        gamma=gamma, log=log, rerun=rerun)
     report.meta["profile_file"] = path.name
     if spec.get("description"):
         report.meta["description"] = spec["description"]
