@@ -40,7 +40,7 @@ def first_run(tmp_path_factory):
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
 
 
 def test_every_cell_is_logged_as_it_finishes_with_its_commit(first_run):
@@ -59,7 +59,7 @@ def test_every_cell_is_logged_as_it_finishes_with_its_commit(first_run):
 def test_a_killed_run_resumes_without_rerunning_finished_cells(first_run, tmp_path):
     profile, log_path, report, _said = first_run
     killed = tmp_path / log_path.name
-    lines = log_path.read_text().splitlines()
+    lines = log_path.read_text().split("\n")
     # Killed while writing its third line: header, one cell, half a line.
     killed.write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])
     said: list[str] = []
@@ -148,3 +148,26 @@ def test_rerun_runs_matching_logged_cells_again_and_their_differentials(first_ru
     again: list[str] = []
     run_profile_file(profile, progress=again.append, log_path=copy, resume=True)
     assert _ran(again) == []  # the newest line of each cell is the one kept
+
+
+def test_assemble_writes_the_logged_cells_and_fails_closed_on_the_rest(first_run, tmp_path):
+    profile, log_path, _report, _said = first_run
+    partial = tmp_path / log_path.name
+    partial.write_text("\n".join(log_path.read_text().split("\n")[:3]) + "\n")
+    said: list[str] = []
+    report = run_profile_file(profile, progress=said.append, log_path=partial, resume=True,
+                              run_missing=False)
+    assert _ran(said) == [] and len(report.cells) == 2
+    assert report.meta["not_run_yet"] == ["xgrammar/shipped/semver.regex",
+                                          "outlines/shipped/semver.regex"]
+    assert report.failing_classes()["errors"] == ["2 planned cells not run yet"]
+    assert report.exit_code & 8
+
+
+def test_a_repro_text_with_a_unicode_line_separator_survives_the_log(tmp_path):
+    from shim_adapters.conformance.report import CellResult
+
+    log = CellLog.open(tmp_path / "x.cells.jsonl", {"a": 1}, resume=False, commit="c0")
+    log.add_cell(CellResult("b", "1", "t", "g", error="text with \x85 and \u2028 inside"))
+    again = CellLog.open(tmp_path / "x.cells.jsonl", {"a": 1}, resume=True)
+    assert again.cells[("b", "t", "g")].error == "text with \x85 and \u2028 inside"

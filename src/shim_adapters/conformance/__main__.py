@@ -58,6 +58,9 @@ def main(argv=None) -> int:
                          "log ran under other settings)")
     ap.add_argument("--fresh", action="store_true",
                     help="with --profile-file and --out: discard an existing cell log")
+    ap.add_argument("--assemble", action="store_true",
+                    help="with --profile-file and --out: only write the report of the cells in "
+                         "the cell log (run nothing; safe while the run goes on)")
     ap.add_argument("--rerun", action="append", default=[], metavar="BACKEND/TOKENIZER/GRAMMAR",
                     help="with --resume: run logged cells matching this glob again (e.g. "
                          "'*/*/person.json' after a change to the schema reference)")
@@ -100,22 +103,35 @@ def _run(ap, args, fail_on) -> Report:
             log_path = Path(args.out) / f"{args.stem or _default_stem(args.profile_file)}.cells.jsonl"
             if args.fresh and log_path.exists():
                 log_path.unlink()
-        elif args.resume or args.import_cells:
-            ap.error("--resume and --import-cells need --out (the cell log lives there)")
+        elif args.resume or args.import_cells or args.assemble:
+            ap.error("--resume, --assemble and --import-cells need --out (the cell log lives "
+                     "there)")
+        if args.assemble and not log_path.exists():
+            ap.error(f"--assemble: no cell log {log_path}")
+        stem = args.stem or _default_stem(args.profile_file)
+        resume_command = (f"python -m shim_adapters.conformance --profile-file "
+                          f"{args.profile_file} --out {args.out} --resume"
+                          + (f" --stem {args.stem}" if args.stem else ""))
         imports = [tuple(item.split("=", 1)) if "=" in item else (item, f"imported from {item}")
                    for item in args.import_cells]
 
         def checkpoint(partial):
             if args.out:  # a long matrix leaves a readable partial report behind
                 partial.meta["partial"] = True
-                partial.write(args.out, args.stem or _default_stem(args.profile_file))
+                if partial.meta.get("remaining_cells"):
+                    partial.meta["resume_command"] = resume_command
+                partial.write(args.out, stem)
 
         report = run_profile_file(args.profile_file, checkpoint=checkpoint,
                                   fail_on=fail_on if args.fail_on else None, log_path=log_path,
-                                  resume=args.resume, import_reports=imports,
-                                  rerun=args.rerun, **overrides)
+                                  resume=args.resume or args.assemble, import_reports=imports,
+                                  rerun=args.rerun, run_missing=not args.assemble, **overrides)
         report.meta.pop("partial", None)
-        args.stem = args.stem or _default_stem(args.profile_file)
+        report.meta.pop("resume_command", None)
+        if report.meta.get("remaining_cells"):
+            report.meta["partial"] = True
+            report.meta["resume_command"] = resume_command
+        args.stem = stem
         return report
     if not (args.backend and args.grammar):
         ap.error("give --backend and --grammar, or --profile-file")

@@ -79,7 +79,11 @@ class CellLog:
         return log
 
     def _load(self) -> None:
-        lines = self.path.read_text(encoding="utf-8").splitlines()
+        # Split on "\n" only: str.splitlines() also breaks at U+0085 and U+2028, which a
+        # repro's text may hold (written raw, ensure_ascii=False).
+        lines = self.path.read_text(encoding="utf-8").split("\n")
+        if lines and not lines[-1]:
+            lines.pop()
         try:
             header = json.loads(lines[0])
         except (IndexError, json.JSONDecodeError) as exc:

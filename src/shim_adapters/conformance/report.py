@@ -250,6 +250,9 @@ class Report:
                 out.setdefault(name, []).append(cell.label)
         if not self.cells:
             out.setdefault("errors", []).append("no cell ran")
+        if self.meta.get("remaining_cells"):  # a partial matrix is no pass
+            out.setdefault("errors", []).append(
+                f"{self.meta['remaining_cells']} planned cells not run yet")
         return out
 
     def exit_status(self, fail_on: "str | Sequence[str] | None" = None) -> int:

@@ -231,7 +231,7 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                progress: Callable[[str], None] | None = print,
                checkpoint: Callable[[Report], None] | None = None, fail_on=None,
                log: CellLog | None = None, rerun: Sequence[str] = (),
-               **profile_overrides) -> Report:
+               run_missing: bool = True, **profile_overrides) -> Report:
     """Every backend x tokenizer x grammar, then the differential check per tokenizer x grammar.
 
     ``checkpoint(report)`` is called after each tokenizer x grammar (e.g. to write a partial
@@ -241,6 +241,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     cell and differential is appended as soon as it finishes, and ``report.meta`` says how
     many planned cells remain. ``rerun``: glob patterns on ``backend/tokenizer/grammar``;
     logged cells matching one are run again (the new result replaces the logged one).
+    ``run_missing=False`` (with a log): only assemble the report of the logged cells; the
+    planned cells not run yet are listed in ``report.meta["not_run_yet"]``.
     """
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
@@ -264,7 +266,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     ran: set = set()
     for tok_spec in tokenizers:
         label = tokenizer_label(tok_spec)
-        todo = [key for key in plan if key[1] == label and key not in done]
+        todo = [key for key in plan if key[1] == label and key not in done] if run_missing \
+            else []
         tok = None
         if todo:
             try:
@@ -304,6 +307,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                     if not cell.error:
                         reused.append(name)
                     continue
+                if not run_missing:
+                    continue  # listed as not run yet
                 try:
                     spec = _resolve_backend(name)
                 except Exception as exc:  # noqa: BLE001 - an unknown backend fails its cells
@@ -329,17 +334,29 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                     report.differential.append(d)
             if checkpoint is not None:
                 report.seconds = round(time.perf_counter() - t0, 2)
-                report.meta["remaining_cells"] = remaining()
+                _log_meta(report, log, plan, done, ran)
                 checkpoint(report)
     if skipped:
         report.meta["excluded_cells"] = skipped
-    if log is not None:
-        report.meta["remaining_cells"] = remaining()
-        report.meta["cell_log"] = log.path.name
-        report.meta["settings"] = log.settings
-        report.meta["cells_per_commit"] = log.commits()
+    _log_meta(report, log, plan, done, ran)
     report.seconds = round(time.perf_counter() - t0, 2)
     return report
+
+
+def _log_meta(report: Report, log: CellLog | None, plan, done, ran) -> None:
+    """What a report assembled from a cell log says about it: the settings, the commits its
+    cells ran under and the planned cells not run yet."""
+    if log is None:
+        return
+    missing = [key for key in plan if key not in done and key not in ran]
+    report.meta["remaining_cells"] = len(missing)
+    if missing:
+        report.meta["not_run_yet"] = ["/".join(key) for key in missing]
+    else:
+        report.meta.pop("not_run_yet", None)
+    report.meta["cell_log"] = log.path.name
+    report.meta["cells_per_commit"] = log.commits()
+    report.meta["settings"] = log.settings
 
 
 def _group_differential(log, tok_name, gram_name, contexts, reused, tok, gram, prof, say,
@@ -395,7 +412,8 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                      checkpoint: Callable[[Report], None] | None = None, fail_on=None,
                      log_path: str | Path | None = None, resume: bool = False,
                      import_reports: Sequence[tuple[str | Path, str]] = (),
-                     rerun: Sequence[str] = (), **profile_overrides) -> Report:
+                     rerun: Sequence[str] = (), run_missing: bool = True,
+                     **profile_overrides) -> Report:
     """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
     installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
     names or paths relative to the file), ``exclude`` (cells with a reason), ``gamma``
@@ -406,7 +424,8 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
     settings is refused; without ``resume`` an existing log is refused). ``import_reports``:
     (report JSON, provenance) pairs of earlier runs under the same settings whose cells the
     log takes before the run starts. ``rerun``: glob patterns (``backend/tokenizer/grammar``)
-    of logged cells to run again."""
+    of logged cells to run again. ``run_missing=False``: assemble the report from the log
+    only (a resume needs it to exist)."""
     path = Path(path)
     spec, grammars, prof, gamma = _read_profile_file(path, profile_overrides)
     log = None
@@ -423,7 +442,7 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                         exclude=spec.get("exclude", ()), progress=progress,
                         checkpoint=checkpoint,
                         fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
-                        gamma=gamma, log=log, rerun=rerun)
+                        gamma=gamma, log=log, rerun=rerun, run_missing=run_missing)
     report.meta["profile_file"] = path.name
     if spec.get("description"):
         report.meta["description"] = spec["description"]
