@@ -111,6 +111,11 @@ def test_an_earlier_report_is_imported_only_under_the_same_settings(first_run, t
     kept = CellLog.open(tmp_path / "kept.cells.jsonl", settings, resume=False)
     kept.import_report(with_commits, "abc1234")
     assert kept.commits() == {report.cells[0].commit: 4}  # a recorded commit is kept
+    # A rerun done elsewhere replaces the logged cells only when asked to.
+    assert kept.import_report(old, "def5678") == 0
+    assert kept.import_report(old, "def5678", replace=True) == 4
+    reread = CellLog.open(tmp_path / "kept.cells.jsonl", settings, resume=True)
+    assert reread.commits() == {"def5678": 4} and len(reread.differentials) == 2
     data["meta"]["settings"]["versions"]["xgrammar"] = "0.0.1"
     old.write_text(json.dumps(data))
     fresh = CellLog.open(tmp_path / "other.cells.jsonl", settings, resume=False)

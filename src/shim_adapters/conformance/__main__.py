@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rerun", action="append", default=[], metavar="BACKEND/TOKENIZER/GRAMMAR",
                     help="with --resume: run logged cells matching this glob again (e.g. "
                          "'*/*/person.json' after a change to the schema reference)")
+    ap.add_argument("--import-replace", action="append", default=[], metavar="REPORT.json",
+                    help="like --import-cells, but its cells replace the logged ones (a rerun "
+                         "done in another process or checkout; each cell keeps its commit)")
     ap.add_argument("--import-cells", action="append", default=[], metavar="REPORT.json[=PROVENANCE]",
                     help="before a resumable run: take the cells of an earlier report run "
                          "under the same settings (PROVENANCE, e.g. the commit holding it, "
@@ -103,7 +106,7 @@ def _run(ap, args, fail_on) -> Report:
             log_path = Path(args.out) / f"{args.stem or _default_stem(args.profile_file)}.cells.jsonl"
             if args.fresh and log_path.exists():
                 log_path.unlink()
-        elif args.resume or args.import_cells or args.assemble:
+        elif args.resume or args.import_cells or args.import_replace or args.assemble:
             ap.error("--resume, --assemble and --import-cells need --out (the cell log lives "
                      "there)")
         if args.assemble and not log_path.exists():
@@ -114,6 +117,7 @@ def _run(ap, args, fail_on) -> Report:
                           + (f" --stem {args.stem}" if args.stem else ""))
         imports = [tuple(item.split("=", 1)) if "=" in item else (item, f"imported from {item}")
                    for item in args.import_cells]
+        imports += [(item, f"imported from {item}", True) for item in args.import_replace]
 
         def checkpoint(partial):
             if args.out:  # a long matrix leaves a readable partial report behind

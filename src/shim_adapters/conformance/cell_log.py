@@ -142,12 +142,13 @@ class CellLog:
         return out
 
     def import_report(self, report_json: str | Path, provenance: str,
-                      settings: dict[str, Any] | None = None) -> int:
+                      settings: dict[str, Any] | None = None, replace: bool = False) -> int:
         """Take the cells and differentials of an earlier report (JSON), each marked with
         ``provenance`` (e.g. the commit the cells ran under). ``settings``: what that run ran
         under, when its report does not record them (reports before resumable runs); refused
         when they differ from the log's in anything but the profile file's name. Returns how
-        many cells were added (cells already in the log are kept)."""
+        many cells were added (cells already in the log are kept, unless ``replace``: then
+        the report's cells and differentials replace them, e.g. a rerun done elsewhere)."""
         data = json.loads(Path(report_json).read_text(encoding="utf-8"))
         theirs = data.get("meta", {}).get("settings", settings)
         if theirs is None:
@@ -162,12 +163,12 @@ class CellLog:
         added = 0
         for raw in data.get("cells", []):
             cell = CellResult.from_dict(raw)
-            if cell.key not in self.cells:
+            if replace or cell.key not in self.cells:
                 self.add_cell(cell, commit=provenance)
                 added += 1
         for raw in data.get("differential", []):
             d = DifferentialResult.from_dict(raw)
-            if (d.tokenizer, d.grammar) not in self.differentials:
+            if replace or (d.tokenizer, d.grammar) not in self.differentials:
                 self.add_differential(d, commit=provenance)
         return added
 

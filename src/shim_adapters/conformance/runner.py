@@ -431,9 +431,11 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
     log = None
     if log_path is not None:
         log = CellLog.open(log_path, matrix_settings(prof, gamma, path.name), resume=resume)
-        for report_json, provenance in import_reports:
+        for item in import_reports:
+            report_json, provenance = item[0], item[1]
             added = log.import_report(report_json, provenance,
-                                      _settings_of_report(report_json, path.parent))
+                                      _settings_of_report(report_json, path.parent),
+                                      replace=len(item) > 2 and bool(item[2]))
             if progress:
                 progress(f"[conformance] imported {added} cells from {report_json}")
     elif resume or import_reports:
