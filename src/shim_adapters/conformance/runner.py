@@ -63,7 +63,7 @@ def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | No
                             f"offline name ({', '.join(OFFLINE_TOKENIZERS)}), a tokenizer.json "
                             "/ SentencePiece .model file nor a directory")
         tok = load_local_tokenizer(path, eos=eos)
-        name = path.name if path.is_dir() else f"{path.parent.name}/{path.name}"
+        name = _path_label(path)
         return ResolvedTokenizer(name, tok, logits_width or len(tok))
     return ResolvedTokenizer(str(getattr(spec, "name_or_path", "") or type(spec).__name__), spec,
                              logits_width or len(spec))
@@ -212,8 +212,13 @@ def tokenizer_label(spec) -> str:
         return "shipped"
     if isinstance(name, str) and name in OFFLINE_TOKENIZERS:
         return name
-    path = Path(name)
-    return path.name if path.is_dir() else f"{path.parent.name}/{path.name}"
+    return _path_label(Path(name))
+
+
+def _path_label(path: Path) -> str:
+    """A tokenizer file's cells are named ``<its directory>/<file>`` (``my-ci/tokenizer.json``,
+    also for a relative path), a directory's by its name."""
+    return path.name if path.is_dir() else f"{path.resolve().parent.name}/{path.name}"
 
 
 def matrix_settings(profile: Profile, gamma: bool, profile_file: str | None = None) -> dict:
