@@ -222,3 +222,14 @@ def test_sample_reads_xgrammar_features_the_way_the_controller_was_fitted(tmp_pa
                  "-n", "2", "--max-new-tokens", "24", "--seed", "0")
     assert sample.exit_code == 0, sample.stderr
     assert len(sample.stdout.splitlines()) == 2
+
+
+def test_backends_lists_one_row_per_feature_status_of_a_backend():
+    result = CliRunner().invoke(cli.main, ["backends", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [r for r in json.loads(result.output) if r["backend"] == "outlines"]
+    by_format = {fmt: r for r in rows for fmt in r["formats"]}
+    assert len(rows) == 2 and set(by_format) >= {"lark", "regex", "json_schema"}
+    # outlines_core's DFA has no parser state; llguidance's CFG path derives one.
+    assert by_format["regex"]["parser_state"] == "missing"
+    assert by_format["lark"]["parser_state"] == "derived"

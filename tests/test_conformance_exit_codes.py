@@ -83,6 +83,22 @@ def test_a_crashing_masker_is_an_error_never_a_pass():
     assert "errors" in report.failing_classes()
 
 
+@pytest.mark.parametrize("fault,check,kind,klass", [
+    ("stuck_late", "no_dead_ends", "dead_end", "dead-ends"),
+    ("no_raise", "tokenizer_edges", "forbidden_text_not_refused", "completeness"),
+    ("short_mask", "soundness", "mask_shape", "soundness"),
+])
+def test_each_remaining_check_class_catches_its_injected_fault(fault, check, kind, klass):
+    report = _run(faulty_backend(get_backend("xgrammar"), fault))
+    cell = report.cells[0]
+    assert cell.error is None, cell.error  # a finding with a repro, not a crash
+    result = cell.checks[check]
+    assert result.failed and any(r.kind == kind and not r.known_bug for r in result.failures), \
+        [r.one_line() for r in result.failures]
+    assert report.exit_code & FAILURE_CLASSES[klass][0]
+    assert klass in report.failing_classes()
+
+
 def test_a_backend_that_cannot_compile_the_asked_grammar_fails_the_run():
     report = _run("syncode", grammar=str(ROOT / "conformance" / "grammars" / "email.regex"))
     assert report.cells[0].error and report.exit_code & FAILURE_CLASSES["errors"][0]
@@ -153,8 +169,33 @@ def test_known_bugs_match_the_construct_and_version_only():
         "outlines-core-schema-integer-bounds"
     assert match_known_bug(missing, "outlines_core 0.2.14", schema) is None
     assert match_known_bug(bounds, "outlines_core 0.3.0", schema) is None
+
+    def token(prefix, text):
+        return Repro("soundness", "unsound_token", "outlines", "shipped", "person.json",
+                     prefix, [], 1, text, "allowed", added_text=text)
+
+    # The relaxed reading now ends a plain integer at its bound: the same bug, token by token.
+    assert match_known_bug(token('{"name":"a","age":837', ","), "outlines_core 0.2.14",
+                           schema) == "outlines-core-schema-integer-bounds"
+    assert match_known_bug(token('{"name":"abcdefghijkl', "m"), "outlines_core 0.2.14",
+                           schema) is None  # maxLength: another construct
     assert "xgrammar-schema-raw-control-chars" in expected_known_bugs("xgrammar", "0.2.9", schema)
     assert expected_known_bugs("xgrammar", "0.3.0", schema) == []
+
+
+@pytest.mark.parametrize("prefix,token,known", [
+    ('{"name":"a\\', "u", True),       # the escape's backslash came in an earlier token
+    ('{"name":"a', "\\u00", True),     # the whole escape start in one token
+    ('{"name":', '"\\u', True),        # a token that opens the string and starts the escape
+    ('{"name":', '"\\n', False),       # a short escape: not this bug
+    ('{"name":"a\\\\', "u", False),   # an escaped backslash, then a plain 'u'
+])
+def test_the_unicode_escape_bug_matches_wherever_the_escape_starts(prefix, token, known):
+    schema = load_grammar(PERSON)
+    repro = Repro("completeness", "valid_token_refused", "outlines", "shipped", "person.json",
+                  prefix, [], 1, token, "refused", added_text=token)
+    expected = "outlines-core-schema-unicode-escape-refused" if known else None
+    assert match_known_bug(repro, "outlines_core 0.2.14", schema) == expected
 
 
 def test_a_known_bug_that_no_longer_reproduces_is_reported_stale():

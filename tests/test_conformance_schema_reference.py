@@ -26,7 +26,10 @@ from shim_adapters.grammar import Grammar, builtin_grammar, load_grammar
 from shim_adapters.plugins import get_backend
 
 PERSON = Path(__file__).resolve().parents[1] / "conformance" / "grammars" / "person.json"
-SMALL = dict(gamma=False, uniform_walks=1, rare_walks=1, valid_strings=6, exhaustive_states=8)
+#: Small sampling phases, with time caps far above what they need on an idle machine: the
+#: verdicts must not depend on the machine's load (a capped phase checks fewer states).
+SMALL = dict(gamma=False, uniform_walks=1, rare_walks=1, valid_strings=6, exhaustive_states=8,
+             phase_budget_s=120.0, exhaustive_budget_s=120.0)
 OK = '{"name":"a","age":1,"role":'
 
 
@@ -47,7 +50,12 @@ def person():
     ('{"n\\u0061me":"x"', True, False),                   # another spelling of the key
     ('{"nick', False, False),                             # additionalProperties false
     ('{"name":"a","age":12', True, True),
-    ('{"name":"a","age":121', True, False),               # maximum 120: relaxed drops it
+    ('{"name":"a","age":121', True, False),               # maximum 120: 121.0e-1 is viable
+    ('{"name":"a","age":121,', False, False),             # a plain 121 that ended: dead
+    ('{"name":"a","age":120.0,', True, False),            # 120.0 is an integer
+    ('{"name":"a","age":1.2e2,', True, False),
+    ('{"name":"a","age":-0,', True, False),               # -0 is the integer 0
+    ('{"name":"a","age":-1,', False, False),              # minimum 0
     ('{"name":"a","age":1.0', True, False),               # 1.0 is an integer
     ('{"name":"a","age":"1"', False, False),              # wrong type
     (OK + '"us', True, True),
@@ -98,6 +106,24 @@ def test_a_backend_that_drops_the_schema_is_caught_token_by_token(person):
               and json_syntax.viable(r.prefix_text + (r.added_text or ""))]
     assert inside, [r.one_line() for r in sound.failures]
     assert not prefix_checker(person).viable(inside[0].prefix_text + inside[0].added_text)
+
+
+def test_a_backend_that_drops_the_schema_bounds_is_caught_on_a_bound(person):
+    report = run_conformance(faulty_backend(get_backend("xgrammar"), "drops_schema_bounds"),
+                             "default", PERSON, "fast", **SMALL)
+    sound = report.cells[0].checks["soundness"]
+    assert report.exit_code & FAILURE_CLASSES["soundness"][0]
+    unbounded = json.loads(person.text)
+    for node in (unbounded["properties"]["name"], unbounded["properties"]["tags"],
+                 unbounded["properties"]["tags"]["items"]):
+        for kw in ("minLength", "maxLength", "maxItems"):
+            node.pop(kw, None)
+    without = prefix_checker(Grammar(json.dumps(unbounded), "json_schema", "unbounded"))
+    # The repros are texts the schema without its bounds takes and the schema refuses.
+    on_bound = [r for r in sound.failures if not r.known_bug and r.added_text is not None
+                and without.viable(r.prefix_text + r.added_text)
+                and not prefix_checker(person).viable(r.prefix_text + r.added_text)]
+    assert on_bound, [r.one_line() for r in sound.failures]
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines"])

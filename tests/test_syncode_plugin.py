@@ -249,6 +249,19 @@ def test_special_tokens_other_than_eos_never_allowed(backend, tokenizers):
     assert state.allowed_mask()[_char_ids(tok, "<")[0]]
 
 
+def test_added_tokens_flagged_special_are_never_allowed_even_when_unnamed(backend):
+    """Found by the conformance full matrix (qwen2.5 x json): Qwen2.5's tokenizer names only
+    <|im_end|> among its special ids, but flags 21 more added tokens special (<|endoftext|>,
+    <|im_start|>, <tool_call>...); SynCode read them as their text inside JSON strings."""
+    tok = _train_tokenizer(_json_texts(1500), 400, extra_specials=("<pad>", "<|tool|>"))
+    tool = tok.convert_tokens_to_ids("<|tool|>")
+    assert tool not in tok.all_special_ids and tok.added_tokens_decoder[tool].special
+    state = backend.compile(builtin_grammar("json"), tok, vocab_size=len(tok)).new_state()
+    for token_id in _char_ids(tok, '"x'):  # inside a string "<|tool|>" would fit the grammar
+        state.advance(token_id)
+        assert not state.allowed_mask()[tool]
+
+
 def test_token_ending_mid_lexeme_after_a_final_state(backend, tokenizers):
     """SynCode's grammar_strict store forbids `.` after JSON `-48`; the plugin allows it."""
     tok = tokenizers["json"]

@@ -85,10 +85,18 @@ def backends_command(as_json: bool) -> None:
     from .plugins import backends
 
     found = backends()
-    rows = [{"backend": spec.name, "version": spec.version,
-             "formats": list(spec.grammar_formats),
-             **{name: spec.feature_status[name].value for name in FEATURE_NAMES},
-             "description": spec.description} for spec in found.values()]
+    rows = []
+    for spec in found.values():
+        # One row per group of formats sharing a feature status (shim-outlines compiles
+        # regex/JSON schema with outlines_core and CFGs with llguidance: two rows).
+        groups: dict[tuple, list[str]] = {}
+        for fmt in spec.grammar_formats:
+            status = spec.feature_status_for(fmt)
+            groups.setdefault(tuple(status[n].value for n in FEATURE_NAMES), []).append(fmt)
+        for values, formats in groups.items():
+            rows.append({"backend": spec.name, "version": spec.version, "formats": formats,
+                         **dict(zip(FEATURE_NAMES, values)),
+                         "description": spec.description})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -102,8 +110,10 @@ def backends_command(as_json: bool) -> None:
     for line in [header, ["-" * w for w in widths], *table]:
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
     click.echo("")
-    for r in rows:  # per-format differences in feature status are spelled out here
-        if r["description"]:
+    described = set()
+    for r in rows:
+        if r["description"] and r["backend"] not in described:
+            described.add(r["backend"])
             click.echo(f"{r['backend']}: {r['description']}")
 
 

@@ -5,6 +5,9 @@
         --eos '<|im_end|>' --grammar a.lark --grammar b.regex --junit-xml conformance.xml
     python -m shim_adapters.conformance --profile-file conformance/profiles/full.json \\
         --out conformance/reports
+    # a killed matrix run continues where it stopped (cells in <out>/<stem>.cells.jsonl):
+    python -m shim_adapters.conformance --profile-file conformance/profiles/full.json \\
+        --out conformance/reports --resume
 
 Fails closed: the exit status is the OR of the failing classes selected by ``--fail-on``
 (default soundness, completeness, dead-ends, errors, control-tokens): 1 soundness, 2
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .report import FAILURE_CLASSES, Report, parse_fail_on
 
@@ -48,6 +52,25 @@ def main(argv=None) -> int:
     ap.add_argument("--junit-xml", default=None, help="also write a JUnit XML report here")
     ap.add_argument("--out", default=None, help="directory for the JSON + markdown report")
     ap.add_argument("--stem", default=None, help="report file name stem")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --profile-file and --out: keep the cells already in "
+                         "<out>/<stem>.cells.jsonl and run only the rest (refused when that "
+                         "log ran under other settings)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="with --profile-file and --out: discard an existing cell log")
+    ap.add_argument("--assemble", action="store_true",
+                    help="with --profile-file and --out: only write the report of the cells in "
+                         "the cell log (run nothing; safe while the run goes on)")
+    ap.add_argument("--rerun", action="append", default=[], metavar="BACKEND/TOKENIZER/GRAMMAR",
+                    help="with --resume: run logged cells matching this glob again (e.g. "
+                         "'*/*/person.json' after a change to the schema reference)")
+    ap.add_argument("--import-replace", action="append", default=[], metavar="REPORT.json",
+                    help="like --import-cells, but its cells replace the logged ones (a rerun "
+                         "done in another process or checkout; each cell keeps its commit)")
+    ap.add_argument("--import-cells", action="append", default=[], metavar="REPORT.json[=PROVENANCE]",
+                    help="before a resumable run: take the cells of an earlier report run "
+                         "under the same settings (PROVENANCE, e.g. the commit holding it, "
+                         "is recorded as their commit)")
     args = ap.parse_args(argv)
     try:
         fail_on = parse_fail_on(args.fail_on)
@@ -78,15 +101,41 @@ def main(argv=None) -> int:
 def _run(ap, args, fail_on) -> Report:
     if args.profile_file:
         overrides = {} if args.seed is None else {"seed": args.seed}
+        log_path = None
+        if args.out:
+            log_path = Path(args.out) / f"{args.stem or _default_stem(args.profile_file)}.cells.jsonl"
+            if args.fresh and log_path.exists():
+                log_path.unlink()
+        elif args.resume or args.import_cells or args.import_replace or args.assemble:
+            ap.error("--resume, --assemble and --import-cells need --out (the cell log lives "
+                     "there)")
+        if args.assemble and not log_path.exists():
+            ap.error(f"--assemble: no cell log {log_path}")
+        stem = args.stem or _default_stem(args.profile_file)
+        resume_command = (f"python -m shim_adapters.conformance --profile-file "
+                          f"{args.profile_file} --out {args.out} --resume"
+                          + (f" --stem {args.stem}" if args.stem else ""))
+        imports = [tuple(item.split("=", 1)) if "=" in item else (item, f"imported from {item}")
+                   for item in args.import_cells]
+        imports += [(item, f"imported from {item}", True) for item in args.import_replace]
 
         def checkpoint(partial):
             if args.out:  # a long matrix leaves a readable partial report behind
                 partial.meta["partial"] = True
-                partial.write(args.out, args.stem)
+                if partial.meta.get("remaining_cells"):
+                    partial.meta["resume_command"] = resume_command
+                partial.write(args.out, stem)
 
         report = run_profile_file(args.profile_file, checkpoint=checkpoint,
-                                  fail_on=fail_on if args.fail_on else None, **overrides)
+                                  fail_on=fail_on if args.fail_on else None, log_path=log_path,
+                                  resume=args.resume or args.assemble, import_reports=imports,
+                                  rerun=args.rerun, run_missing=not args.assemble, **overrides)
         report.meta.pop("partial", None)
+        report.meta.pop("resume_command", None)
+        if report.meta.get("remaining_cells"):
+            report.meta["partial"] = True
+            report.meta["resume_command"] = resume_command
+        args.stem = stem
         return report
     if not (args.backend and args.grammar):
         ap.error("give --backend and --grammar, or --profile-file")
@@ -100,6 +149,11 @@ def _run(ap, args, fail_on) -> Report:
         else:
             report.merge(one)
     return report
+
+
+def _default_stem(profile_file: str) -> str:
+    """``conformance-<profile file name>``: one report and cell log per profile file."""
+    return f"conformance-{Path(profile_file).stem}"
 
 
 if __name__ == "__main__":

@@ -694,6 +694,18 @@ def run_cell_checks(ctx: CellContext) -> dict[str, CheckResult]:
                            "special tokens")
     else:
         control.info["control_tokens"] = [ctx.vocab.text_of(int(i)) for i in ctx.control_ids]
+    first = ctx.masker.new_state().allowed_mask()
+    width = ctx.masker.vocab_size
+    if not sound.count(first.shape == (width,) and first.dtype == np.bool_):
+        # Every later check indexes the mask by token id: judged on a misshapen mask they
+        # would misread it or crash; the shape failure is the finding.
+        ctx.fail(sound, ctx.repro("soundness", "mask_shape", [], None,
+                                  f"mask shape {first.shape} dtype {first.dtype}, logits "
+                                  f"width {width}"))
+        why = "not run: the start state's mask has the wrong shape (see soundness)"
+        for check in (comp, dead, edges, control):
+            check.not_run = check.not_run or why
+        return {c.name: c for c in (sound, comp, dead, edges, control)}
     diagnostics = grammar_diagnostics(ctx.grammar)
     if diagnostics:
         sound.info["grammar_diagnostics"] = diagnostics

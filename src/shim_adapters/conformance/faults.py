@@ -35,11 +35,19 @@ FAULTS = {
                     "allowed at every state",
     "allow_control": "the tokenizer's chat-template control tokens are always allowed",
     "crash_late": "allowed_mask() raises after two tokens",
+    "stuck_late": "after two tokens nothing is allowed, not even EOS (a dead end the grammar "
+                  "does not have)",
     "drops_schema": "a JSON schema is compiled as plain JSON (the schema's constraints dropped, "
                     "JSON syntax kept)",
     "declares_any_tokenization": "declares tokenizations=any whatever the backend does (a "
                                  "wrong declaration on a canonical-in-forced-text backend)",
+    "drops_schema_bounds": "a JSON schema is compiled without its bounds (minLength, maxLength, "
+                           "minimum, maximum, minItems, maxItems; types and keys kept)",
 }
+
+#: The JSON-schema keywords ``drops_schema_bounds`` removes.
+SCHEMA_BOUNDS = ("minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+                 "exclusiveMaximum", "minItems", "maxItems")
 
 
 class FaultyState(MaskerState):
@@ -76,11 +84,15 @@ class FaultyState(MaskerState):
             mask[self.masker.control_ids] = True
         elif fault == "crash_late" and self.inner.step >= 2:
             raise RuntimeError("injected crash in allowed_mask()")
+        elif fault == "stuck_late" and self.inner.step >= 2:
+            mask[:] = False
         return mask
 
     def eos_allowed(self) -> bool:
         if self.masker.fault == "eos_always" and not self.inner.is_finished:
             return True
+        if self.masker.fault == "stuck_late" and self.inner.step >= 2:
+            return False
         return self.inner.eos_allowed()
 
     def advance(self, token_id: int) -> None:
@@ -191,6 +203,16 @@ class FaultyMasker(Masker):
 def faulty_backend(spec: BackendSpec, fault: str) -> BackendSpec:
     """``spec`` with ``fault`` injected into every masker it compiles."""
     def create(grammar, tokenizer, vocab_size=None, **options):
+        if fault == "drops_schema_bounds":
+            if grammar.format != "json_schema":
+                raise ValueError("drops_schema_bounds needs a JSON-schema grammar")
+            import json
+
+            loose = replace(grammar, text=json.dumps(_without_bounds(json.loads(grammar.text))))
+            masker = FaultyMasker(spec.create_masker(loose, tokenizer, vocab_size, **options),
+                                  fault)
+            masker.grammar = grammar  # it claims the bounds it dropped
+            return masker
         if fault == "drops_schema":
             if grammar.format != "json_schema":
                 raise ValueError("drops_schema needs a JSON-schema grammar")
@@ -202,6 +224,17 @@ def faulty_backend(spec: BackendSpec, fault: str) -> BackendSpec:
 
     return replace(spec, name=f"{spec.name}+{fault}", create_masker=create,
                    description=f"{spec.name} with an injected fault: {FAULTS[fault]}")
+
+
+def _without_bounds(node, names: bool = False):
+    """``node`` without bound keywords (``names``: a ``properties`` map, whose keys are
+    property names, not keywords)."""
+    if isinstance(node, dict):
+        return {k: _without_bounds(v, k in ("properties", "$defs", "definitions") and not names)
+                for k, v in node.items() if names or k not in SCHEMA_BOUNDS}
+    if isinstance(node, list):
+        return [_without_bounds(v) for v in node]
+    return node
 
 
 __all__ = ["FAULTS", "FaultyMasker", "faulty_backend"]

@@ -154,6 +154,23 @@ class CellResult:
     #: Known bugs expected in this cell (backend, version and construct match) that it did
     #: not reproduce: fixed upstream, or the check did not meet them.
     stale_known_bugs: list[str] = field(default_factory=list)
+    #: The code commit the cell ran under (a resumable run records it per cell).
+    commit: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CellResult":
+        """The inverse of ``asdict`` (as written to a report's JSON or a resume log)."""
+        data = dict(data)
+        checks = {}
+        for name, raw in data.pop("checks", {}).items():
+            raw = {k: v for k, v in raw.items() if k != "status"}
+            raw["failures"] = [Repro(**r) for r in raw.get("failures", [])]
+            checks[name] = CheckResult(**raw)
+        return cls(**data, checks=checks)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.backend, self.tokenizer, self.grammar)
 
     @property
     def soundness_failures(self) -> int:
@@ -203,6 +220,11 @@ class DifferentialResult:
     repros: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    commit: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DifferentialResult":
+        return cls(**data)
 
 
 @dataclass
@@ -228,6 +250,9 @@ class Report:
                 out.setdefault(name, []).append(cell.label)
         if not self.cells:
             out.setdefault("errors", []).append("no cell ran")
+        if self.meta.get("remaining_cells"):  # a partial matrix is no pass
+            out.setdefault("errors", []).append(
+                f"{self.meta['remaining_cells']} planned cells not run yet")
         return out
 
     def exit_status(self, fail_on: "str | Sequence[str] | None" = None) -> int:
@@ -280,7 +305,10 @@ class Report:
                   + ("; ".join(f"{k} ({len(v)} cells)" for k, v in failing.items()) or "none")
                   + ". Cells show passed/checked assertions; `+Nxf` = known upstream bugs "
                   "(xfail).", ""]
+        with_commit = any(cell.commit for cell in self.cells)
         header = ["backend", "tokenizer", "grammar", *CHECK_NAMES, "compile s", "total s"]
+        if with_commit:
+            header.append("commit")
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "---|" * len(header))
         for cell in self.cells:
@@ -292,7 +320,10 @@ class Report:
                 row = [cell.backend, cell.tokenizer, cell.grammar,
                        *(cell.checks[c].cell() if c in cell.checks else "-" for c in CHECK_NAMES)]
             row += [f"{cell.compile_seconds:.1f}", f"{cell.seconds:.1f}"]
+            if with_commit:
+                row.append(cell.commit or "?")
             lines.append("| " + " | ".join(row) + " |")
+        lines += self._wall_time_lines()
         if self.differential:
             lines += ["", "## Differential (masks compared step by step along shared walks)", "",
                       "| tokenizer | grammar | backends | steps | tokens | disagreements | "
@@ -341,6 +372,26 @@ class Report:
                              f"{r['token']} allowed by {r['allowed_by']}, refused by "
                              f"{r['refused_by']} -> reference says **{r['verdict']}**")
         return "\n".join(lines) + "\n"
+
+    def _wall_time_lines(self) -> list[str]:
+        """Per backend: how long its cells took (compile included), so a slow one is seen."""
+        import statistics
+
+        by_backend: dict[str, list[float]] = {}
+        for cell in self.cells:
+            if not cell.unsupported:
+                by_backend.setdefault(cell.backend, []).append(cell.seconds)
+        if not by_backend:
+            return []
+        lines = ["", "## Wall time per cell (seconds, compile included; unsupported cells "
+                 "left out)", "", "| backend | cells | median | 90th pct | max | sum |",
+                 "|---|---|---|---|---|---|"]
+        for backend, times in by_backend.items():
+            ordered = sorted(times)
+            p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+            lines.append(f"| {backend} | {len(times)} | {statistics.median(times):.1f} | "
+                         f"{p90:.1f} | {ordered[-1]:.1f} | {sum(times):.0f} |")
+        return lines
 
     def to_junit_xml(self) -> str:
         """JUnit XML: one testcase per cell and check (failure: its repros; error: a crashed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import platform
 import random
 import time
@@ -14,6 +15,7 @@ from ..errors import ShimError, UnsupportedGrammarError
 from ..grammar import Grammar, load_grammar
 from ..plugins import backends as installed_backends
 from ..plugins import get_backend
+from .cell_log import CellLog
 from .checks import CellContext, run_cell_checks
 from .differential import differential
 from .gamma import gamma_check
@@ -61,7 +63,7 @@ def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | No
                             f"offline name ({', '.join(OFFLINE_TOKENIZERS)}), a tokenizer.json "
                             "/ SentencePiece .model file nor a directory")
         tok = load_local_tokenizer(path, eos=eos)
-        name = path.name if path.is_dir() else f"{path.parent.name}/{path.name}"
+        name = _path_label(path)
         return ResolvedTokenizer(name, tok, logits_width or len(tok))
     return ResolvedTokenizer(str(getattr(spec, "name_or_path", "") or type(spec).__name__), spec,
                              logits_width or len(spec))
@@ -200,18 +202,52 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
     return report
 
 
+def tokenizer_label(spec) -> str:
+    """The name :func:`resolve_tokenizer` gives ``spec``, without loading it (to plan a
+    resumed matrix and skip a tokenizer whose cells are all done)."""
+    from ..tokenizers_offline import OFFLINE_TOKENIZERS
+
+    name = spec.get("name") if isinstance(spec, dict) else spec
+    if name is None or (isinstance(name, str) and name in SHIPPED_TOKENIZER_NAMES):
+        return "shipped"
+    if isinstance(name, str) and name in OFFLINE_TOKENIZERS:
+        return name
+    return _path_label(Path(name))
+
+
+def _path_label(path: Path) -> str:
+    """A tokenizer file's cells are named ``<its directory>/<file>`` (``my-ci/tokenizer.json``,
+    also for a relative path), a directory's by its name."""
+    return path.name if path.is_dir() else f"{path.resolve().parent.name}/{path.name}"
+
+
+def matrix_settings(profile: Profile, gamma: bool, profile_file: str | None = None) -> dict:
+    """What every cell of a matrix runs under: a resume log refuses to mix other settings."""
+    from dataclasses import asdict
+
+    return {"profile": asdict(profile), "gamma": gamma, "profile_file": profile_file,
+            "versions": _meta(profile)["versions"]}
+
+
 def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("default",),
                grammars: Iterable = ("bv4", "binary5", "json", "sql"),
                profile: "str | Profile" = "fast", *, exclude: Sequence[dict] = (),
                compare: bool = True, gamma: bool = True,
                progress: Callable[[str], None] | None = print,
                checkpoint: Callable[[Report], None] | None = None, fail_on=None,
-               **profile_overrides) -> Report:
+               log: CellLog | None = None, rerun: Sequence[str] = (),
+               run_missing: bool = True, **profile_overrides) -> Report:
     """Every backend x tokenizer x grammar, then the differential check per tokenizer x grammar.
 
     ``checkpoint(report)`` is called after each tokenizer x grammar (e.g. to write a partial
     report of a long run). ``exclude``: entries ``{"backend": B, "tokenizer": T, "grammar": G, "reason": R}`` (any
     key may be omitted = all); excluded cells are listed in the report with the reason.
+    ``log``: a :class:`CellLog`; its finished cells are taken as they are (not rerun), each new
+    cell and differential is appended as soon as it finishes, and ``report.meta`` says how
+    many planned cells remain. ``rerun``: glob patterns on ``backend/tokenizer/grammar``;
+    logged cells matching one are run again (the new result replaces the logged one).
+    ``run_missing=False`` (with a log): only assemble the report of the logged cells; the
+    planned cells not run yet are listed in ``report.meta["not_run_yet"]``.
     """
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
@@ -220,37 +256,69 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     report.meta["backends"] = names
     say = progress or (lambda _msg: None)
     skipped = []
+    tokenizers, grammars = list(tokenizers), list(grammars)
+    grammar_names = [_grammar_label(g) for g in grammars]
+    plan = [(b, tokenizer_label(t), g) for t in tokenizers for g in grammar_names for b in names
+            if not _excluded(exclude, b, tokenizer_label(t), g)]
+    done = dict(log.cells) if log is not None else {}
+    for key in [k for k in done if any(fnmatch.fnmatchcase("/".join(k), pat) for pat in rerun)]:
+        del done[key]
+    report.meta["planned_cells"] = len(plan)
+
+    def remaining() -> int:
+        return sum(1 for key in plan if key not in done and key not in ran)
+
+    ran: set = set()
     for tok_spec in tokenizers:
-        try:
-            if isinstance(tok_spec, dict):
-                tok = resolve_tokenizer(tok_spec["name"], tok_spec.get("logits_width"),
-                                        tok_spec.get("eos"))
-            else:
-                tok = resolve_tokenizer(tok_spec)
-        except Exception as exc:  # noqa: BLE001 - a tokenizer that does not load fails its cells
-            report.cells.append(CellResult(backend="*", backend_version="", tokenizer=str(
-                tok_spec.get("name") if isinstance(tok_spec, dict) else tok_spec), grammar="*",
-                error=f"tokenizer does not load: {type(exc).__name__}: {exc}"))
-            continue
-        for gram_spec in grammars:
+        label = tokenizer_label(tok_spec)
+        todo = [key for key in plan if key[1] == label and key not in done] if run_missing \
+            else []
+        tok = None
+        if todo:
             try:
-                gram = _resolve_grammar(gram_spec)
-            except Exception as exc:  # noqa: BLE001 - a grammar that does not load fails
-                report.cells.append(CellResult(backend="*", backend_version="",
-                                               tokenizer=tok.name, grammar=str(gram_spec),
-                                               error=f"grammar does not load: {exc}"))
+                if isinstance(tok_spec, dict):
+                    tok = resolve_tokenizer(tok_spec["name"], tok_spec.get("logits_width"),
+                                            tok_spec.get("eos"))
+                else:
+                    tok = resolve_tokenizer(tok_spec)
+            except Exception as exc:  # noqa: BLE001 - a tokenizer that does not load fails its cells
+                report.cells.append(CellResult(backend="*", backend_version="", tokenizer=str(
+                    tok_spec.get("name") if isinstance(tok_spec, dict) else tok_spec),
+                    grammar="*", error=f"tokenizer does not load: {type(exc).__name__}: {exc}"))
                 continue
-            contexts = []
-            for name in names:
-                reason = _excluded(exclude, name, tok.name, gram.name)
-                if reason:
-                    skipped.append(f"{name} x {tok.name} x {gram.name}: {reason}")
+        for gram_spec, gram_name in zip(grammars, grammar_names):
+            gram = None
+            group_todo = [key for key in todo if key[2] == gram_name]
+            if group_todo:
+                try:
+                    gram = _resolve_grammar(gram_spec)
+                except Exception as exc:  # noqa: BLE001 - a grammar that does not load fails
+                    report.cells.append(CellResult(backend="*", backend_version="",
+                                                   tokenizer=label, grammar=str(gram_spec),
+                                                   error=f"grammar does not load: {exc}"))
                     continue
+                if gram.name != gram_name:  # the plan's keys must be the cells' keys
+                    raise ShimError(f"grammar {gram_spec!r} is named {gram.name!r}, planned "
+                                    f"as {gram_name!r}")
+            contexts, reused = [], []
+            for name in names:
+                reason = _excluded(exclude, name, label, gram_name)
+                if reason:
+                    skipped.append(f"{name} x {label} x {gram_name}: {reason}")
+                    continue
+                if (name, label, gram_name) in done:
+                    cell = done[(name, label, gram_name)]
+                    report.cells.append(cell)
+                    if not cell.error:
+                        reused.append(name)
+                    continue
+                if not run_missing:
+                    continue  # listed as not run yet
                 try:
                     spec = _resolve_backend(name)
                 except Exception as exc:  # noqa: BLE001 - an unknown backend fails its cells
                     report.cells.append(CellResult(backend=name, backend_version="",
-                                                   tokenizer=tok.name, grammar=gram.name,
+                                                   tokenizer=label, grammar=gram_name,
                                                    error=f"backend not available: {exc}"))
                     continue
                 cell, ctx = compile_cell(spec, tok, gram, prof)
@@ -258,21 +326,75 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                     run_cell(cell, ctx, tok, gamma=gamma)
                     contexts.append(ctx)
                 report.cells.append(cell)
-                say(f"[conformance] {name} x {tok.name} x {gram.name}: "
+                ran.add(cell.key)
+                if log is not None:
+                    log.add_cell(cell)
+                say(f"[conformance] {name} x {label} x {gram_name}: "
                     + (cell.error or " ".join(f"{k}={v.cell()}" for k, v in cell.checks.items()))
-                    + f" ({cell.seconds:.1f}s)")
-            if compare and len(contexts) > 1:
-                report.differential.append(differential(contexts))
-                d = report.differential[-1]
-                say(f"[conformance] differential {tok.name} x {gram.name}: {d.disagreements} "
-                    f"disagreements, verdicts {d.verdicts} ({d.seconds:.1f}s)")
+                    + f" ({cell.seconds:.1f}s)" + (f"; {remaining()} cells left" if log else ""))
+            if compare:
+                d = _group_differential(log, label, gram_name, contexts, reused, tok, gram, prof,
+                                        say, names)
+                if d is not None:
+                    report.differential.append(d)
             if checkpoint is not None:
                 report.seconds = round(time.perf_counter() - t0, 2)
+                _log_meta(report, log, plan, done, ran)
                 checkpoint(report)
     if skipped:
         report.meta["excluded_cells"] = skipped
+    _log_meta(report, log, plan, done, ran)
     report.seconds = round(time.perf_counter() - t0, 2)
     return report
+
+
+def _log_meta(report: Report, log: CellLog | None, plan, done, ran) -> None:
+    """What a report assembled from a cell log says about it: the settings, the commits its
+    cells ran under and the planned cells not run yet."""
+    if log is None:
+        return
+    missing = [key for key in plan if key not in done and key not in ran]
+    report.meta["remaining_cells"] = len(missing)
+    if missing:
+        report.meta["not_run_yet"] = ["/".join(key) for key in missing]
+    else:
+        report.meta.pop("not_run_yet", None)
+    report.meta["cell_log"] = log.path.name
+    report.meta["cells_per_commit"] = log.commits()
+    report.meta["settings"] = log.settings
+
+
+def _group_differential(log, tok_name, gram_name, contexts, reused, tok, gram, prof, say,
+                        names):
+    """The differential of one tokenizer x grammar: the logged one when no cell of it ran in
+    this process, else rerun over every backend that compiled there (recompiling the maskers
+    of cells taken from the log; their checks are not rerun)."""
+    if not contexts:  # every cell taken from the log: so is its differential
+        return log.differentials.get((tok_name, gram_name)) if log is not None else None
+    if len(set(reused) | {ctx.masker.backend_name for ctx in contexts}) < 2:
+        return None
+    for name in reused:
+        _cell, ctx = compile_cell(_resolve_backend(name), tok, gram, prof)
+        if ctx is not None:
+            contexts.append(ctx)
+    if len(contexts) < 2:
+        return None
+    order = {name: i for i, name in enumerate(names)}
+    contexts.sort(key=lambda ctx: order.get(ctx.masker.backend_name, len(order)))
+    d = differential(contexts)
+    if log is not None:
+        log.add_differential(d)
+    say(f"[conformance] differential {tok_name} x {gram_name}: {d.disagreements} "
+        f"disagreements, verdicts {d.verdicts} ({d.seconds:.1f}s)")
+    return d
+
+
+def _grammar_label(spec) -> str:
+    """The name a grammar spec's cells get (a file's name, a built-in's own name)."""
+    if isinstance(spec, Grammar):
+        return spec.name
+    path = Path(str(spec))
+    return path.name if path.suffix else str(spec)
 
 
 def _excluded(exclude: Sequence[dict], backend: str, tokenizer: str, grammar: str) -> str | None:
@@ -293,26 +415,72 @@ def _hit(pattern, value: str) -> bool:
 
 def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = print,
                      checkpoint: Callable[[Report], None] | None = None, fail_on=None,
+                     log_path: str | Path | None = None, resume: bool = False,
+                     import_reports: Sequence[tuple[str | Path, str]] = (),
+                     rerun: Sequence[str] = (), run_missing: bool = True,
                      **profile_overrides) -> Report:
     """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
     installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
     names or paths relative to the file), ``exclude`` (cells with a reason), ``gamma``
-    (false: the γ check is reported as not run), ``fail_on``)."""
+    (false: the γ check is reported as not run), ``fail_on``).
+
+    ``log_path``: a JSON-lines :class:`CellLog` each finished cell is appended to; with
+    ``resume`` its finished cells are kept and only the rest run (a log written under other
+    settings is refused; without ``resume`` an existing log is refused). ``import_reports``:
+    (report JSON, provenance) pairs of earlier runs under the same settings whose cells the
+    log takes before the run starts. ``rerun``: glob patterns (``backend/tokenizer/grammar``)
+    of logged cells to run again. ``run_missing=False``: assemble the report from the log
+    only (a resume needs it to exist)."""
+    path = Path(path)
+    spec, grammars, prof, gamma = _read_profile_file(path, profile_overrides)
+    log = None
+    if log_path is not None:
+        log = CellLog.open(log_path, matrix_settings(prof, gamma, path.name), resume=resume)
+        for item in import_reports:
+            report_json, provenance = item[0], item[1]
+            added = log.import_report(report_json, provenance,
+                                      _settings_of_report(report_json, path.parent),
+                                      replace=len(item) > 2 and bool(item[2]))
+            if progress:
+                progress(f"[conformance] imported {added} cells from {report_json}")
+    elif resume or import_reports:
+        raise ShimError("resuming or importing cells needs a cell log (give --out)")
+    report = run_matrix(spec.get("backends"), spec["tokenizers"], grammars, prof,
+                        exclude=spec.get("exclude", ()), progress=progress,
+                        checkpoint=checkpoint,
+                        fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
+                        gamma=gamma, log=log, rerun=rerun, run_missing=run_missing)
+    report.meta["profile_file"] = path.name
+    if spec.get("description"):
+        report.meta["description"] = spec["description"]
+    return report
+
+
+def _read_profile_file(path: Path, profile_overrides: dict):
     import json
 
-    path = Path(path)
     spec = json.loads(path.read_text())
     grammars = []
     for g in spec["grammars"]:
         candidate = (path.parent / g).resolve()
         grammars.append(str(candidate) if candidate.is_file() else g)
-    report = run_matrix(spec.get("backends"), spec["tokenizers"], grammars,
-                        spec.get("profile", "fast"), exclude=spec.get("exclude", ()),
-                        progress=progress, checkpoint=checkpoint,
-                        fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
-                        gamma=spec.get("gamma", True),
-                        **{**spec.get("overrides", {}), **profile_overrides})
-    report.meta["profile_file"] = path.name
-    if spec.get("description"):
-        report.meta["description"] = spec["description"]
-    return report
+    prof = get_profile(spec.get("profile", "fast"),
+                       **{**spec.get("overrides", {}), **profile_overrides})
+    return spec, grammars, prof, spec.get("gamma", True)
+
+
+def _settings_of_report(report_json: str | Path, profiles_dir: Path) -> dict | None:
+    """The settings an older report (without ``meta.settings``) ran under: those of the
+    profile file it names, read from ``profiles_dir``, with the versions and seed it records."""
+    import json
+
+    meta = json.loads(Path(report_json).read_text(encoding="utf-8")).get("meta", {})
+    if "settings" in meta or not meta.get("profile_file"):
+        return meta.get("settings")
+    profile_file = profiles_dir / meta["profile_file"]
+    if not profile_file.is_file():
+        return None
+    _spec, _grammars, prof, gamma = _read_profile_file(profile_file, {"seed": meta.get("seed", 0)})
+    settings = matrix_settings(prof, gamma, profile_file.name)
+    settings["versions"] = meta.get("versions")
+    return settings

@@ -47,6 +47,8 @@ _CHAR = {
            rf'{_ESCAPE}|\\u[0-9a-fA-F]{{4}})',
 }
 _NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+#: A number written with a fraction or an exponent (an integer value may be written so).
+_NOT_PLAIN_NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:[eE][+-]?[0-9]+)?|[eE][+-]?[0-9]+)"
 _ANY_STRING = rf'"{_CHAR[False]}*"'
 _SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n",
                   "\r": "r", "\t": "t"}
@@ -238,24 +240,25 @@ class _Builder:
         raise UnsupportedGrammarError(f"unknown type {t!r} at {where or '/'}")
 
     def _integer(self, s: dict, where: str) -> str:
+        """The ordered reading: the range's plain integers. The relaxed one: those, or any
+        number with a fraction or an exponent (``120.0`` and ``1.2e2`` are integers too, so a
+        bound is judged once a plain integer ends: ``121,`` is dead for ``maximum`` 120)."""
         if "multipleOf" in s:
             self.unsupported("integer multipleOf", where)
-        if not self.ordered:
-            return self.term(_NUMBER)  # 1.0 and 1e2 are integers too
         lo, hi = s.get("minimum"), s.get("maximum")
         if "exclusiveMinimum" in s:
             lo = max(lo if lo is not None else -10**18, s["exclusiveMinimum"] + 1)
         if "exclusiveMaximum" in s:
             hi = min(hi if hi is not None else 10**18, s["exclusiveMaximum"] - 1)
-        if lo is None and hi is None:
-            return self.term(r"-?(?:0|[1-9][0-9]*)")
-        if lo is not None and hi is not None and hi - lo <= MAX_ENUMERATED_RANGE:
-            lo, hi = int(-(-lo // 1)), int(hi // 1)
-            return self.term("(?:" + "|".join(str(v) for v in range(lo, hi + 1)) + ")")
-        if hi is None and lo in (0, 1):
-            return self.term(r"(?:0|[1-9][0-9]*)" if lo == 0 else r"[1-9][0-9]*")
-        self.unsupported("integer minimum/maximum (a wide range)", where)
-        return self.term(r"-?(?:0|[1-9][0-9]*)")
+        plain = _plain_integers(lo, hi)
+        if plain is None:
+            self.unsupported("integer minimum/maximum (a wide range)", where)
+            plain = r"-?(?:0|[1-9][0-9]*)"
+        if self.ordered:
+            return self.term(plain)
+        if (lo is None or lo <= 0) and (hi is None or hi >= 0):
+            plain = f"{plain}|-0"  # JSON's -0 is the integer 0
+        return self.term(f"(?:{plain})|{_NOT_PLAIN_NUMBER}")
 
     def _string(self, s: dict, where: str) -> str:
         if "pattern" in s:
@@ -355,6 +358,19 @@ def schema_lark(schema_text: str, ordered: bool) -> tuple[str, list[str]]:
     b = _Builder(schema, ordered)
     start = b.value(schema)
     return b.lark(start), sorted(b.dropped)
+
+
+def _plain_integers(lo, hi) -> str | None:
+    """A regex of the plain integers (no fraction, no exponent) within [lo, hi], or None when
+    the range is too wide to enumerate and not a simple half line."""
+    if lo is None and hi is None:
+        return r"-?(?:0|[1-9][0-9]*)"
+    if lo is not None and hi is not None and hi - lo <= MAX_ENUMERATED_RANGE:
+        lo, hi = int(-(-lo // 1)), int(hi // 1)
+        return "(?:" + "|".join(str(v) for v in range(lo, hi + 1)) + ")"
+    if hi is None and lo in (0, 1):
+        return r"(?:0|[1-9][0-9]*)" if lo == 0 else r"[1-9][0-9]*"
+    return None
 
 
 __all__ = ["schema_lark", "spellings", "MAX_ENUMERATED_RANGE"]

@@ -176,7 +176,7 @@ def _build(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey) -> Compil
     byte_tok = store.byte_tokenizer
     token_bytes = [byte_tok.vocab_byte.get(i, b"") for i in range(len(vocab))]
     eos = tokenizer.eos_token_id
-    special = frozenset(int(i) for i in tokenizer.all_special_ids if i != eos)
+    special = _special_ids(tokenizer)
     inside, spans = _token_tables(tables, token_bytes, special | {eos})
     _make_lookups_read_only(store)
     utf8_clean = np.array([utf8_prefix_ok(b) for b in token_bytes], dtype=np.bool_)
@@ -213,7 +213,7 @@ def _build_dynamic(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey, b
     byte_tok = mods["syncode.mask_store.byte_tokenizer"].ByteTokenizer(tokenizer)
     token_bytes = [byte_tok.vocab_byte.get(i, b"") for i in range(len(vocab))]
     eos = tokenizer.eos_token_id
-    special = frozenset(int(i) for i in tokenizer.all_special_ids if i != eos)
+    special = _special_ids(tokenizer)
     utf8_clean = np.array([utf8_prefix_ok(b) for b in token_bytes], dtype=np.bool_)
     dynamic = DynamicTables(tables, token_bytes, special | {eos})
     utf8_continuations = Utf8Continuations(token_bytes)
@@ -224,6 +224,16 @@ def _build_dynamic(grammar: Grammar, lark_text: str, tokenizer, key: CacheKey, b
         span_candidates={}, state_codes=_state_codes(tables), ignore_whitespace=False,
         compile_seconds=time.perf_counter() - started, lexing="dynamic",
         dynamic=dynamic, utf8_continuations=utf8_continuations)
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """Ids never allowed in output: the named special tokens and every added token flagged
+    special (Qwen2.5 names only <|im_end|>, yet flags 21 more; SynCode's byte table spells
+    them as their text, which fits inside a JSON string), EOS excepted."""
+    ids = {int(i) for i in tokenizer.all_special_ids}
+    ids |= {int(i) for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(added, "special", False)}
+    return frozenset(ids - {tokenizer.eos_token_id})
 
 
 def _lalr_parser(grammar: Grammar, lark_text: str, mods):
