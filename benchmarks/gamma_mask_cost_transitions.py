@@ -30,14 +30,6 @@ from shim_adapters.lm import load_lm  # noqa: E402
 from shim_adapters.plugins import get_backend  # noqa: E402
 
 
-def dumped_key(state):
-    """The key from XGrammar's dump, bypassing the plugin's prefix trie."""
-    node, state._node = state._node, None
-    try:
-        return state.feature_key()
-    finally:
-        state._node = node
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -60,13 +52,13 @@ def main() -> None:
             for token in seq:
                 if state.is_finished:
                     break
-                key = dumped_key(state)
+                key = state.dumped_feature_key()
                 if i >= args.samples:
                     fresh += 1
                     known += prefix in prefixes
                 prefixes.add(prefix)
                 state.advance(token)
-                nexts[(key, token)].add(dumped_key(state))
+                nexts[(key, token)].add(state.dumped_feature_key())
                 pairs.append((key, token))
                 prefix += (token,)
         ambiguous = {p for p, n in nexts.items() if len(n) > 1}

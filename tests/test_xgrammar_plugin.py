@@ -398,14 +398,6 @@ def test_feature_key_determines_the_features(compile_grammar, tokenizer, options
         assert a.feature_key() == b.feature_key()
 
 
-def _dumped_key(state):
-    """The key straight from the matcher's dump, bypassing the prefix trie."""
-    node, state._node = state._node, None
-    try:
-        return state.feature_key()
-    finally:
-        state._node = node
-
 
 @pytest.mark.parametrize("grammar_name", ["json", "bv4"])
 def test_key_trie_serves_the_dumped_key(compile_grammar, grammar_name):
@@ -420,7 +412,7 @@ def test_key_trie_serves_the_dumped_key(compile_grammar, grammar_name):
     for walk in range(12):
         state = masker.new_state()
         for step in range(40):
-            assert state.feature_key() == _dumped_key(state), (walk, step, state.token_ids)
+            assert state.feature_key() == state.dumped_feature_key(), (walk, step, state.token_ids)
             allowed = [t for t in state.allowed_token_ids() if t not in eos]
             if not allowed:
                 break
@@ -429,7 +421,7 @@ def test_key_trie_serves_the_dumped_key(compile_grammar, grammar_name):
             state.advance(int(rng.choice(pick)))
             if step == 8:
                 twin = state.fork()
-                assert twin.feature_key() == _dumped_key(twin) == state.feature_key()
+                assert twin.feature_key() == twin.dumped_feature_key() == state.feature_key()
     assert trie.served > served_before  # the shared prefixes were served without a dump
 
 
@@ -443,7 +435,7 @@ def test_key_trie_is_bounded(compile_grammar):
         for _ in range(3):
             state = masker.new_state()
             for _ in range(12):
-                assert state.feature_key() == _dumped_key(state)
+                assert state.feature_key() == state.dumped_feature_key()
                 allowed = [t for t in state.allowed_token_ids() if t not in masker.eos_token_ids]
                 state.advance(int(rng.choice(allowed)))
                 assert trie.nodes <= trie.max_nodes

@@ -471,6 +471,15 @@ class XGrammarState(MaskerState):
         """XGrammar's mask for this row, before the fix-ups."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def dumped_feature_key(self):
+        """The key computed from the matcher's dump, bypassing the prefix trie (to check that
+        the trie serves exactly the key the dump gives)."""
+        node, self._node = self._node, None
+        try:
+            return self.feature_key()
+        finally:
+            self._node = node
+
     def feature_key(self):
         """XGrammar's raw state dump: it determines the features, and skips their parse
         (position-free: the dump without its byte offsets, plus the offsets' rank order)."""
