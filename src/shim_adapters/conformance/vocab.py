@@ -108,7 +108,7 @@ class Vocabulary:
                 else:
                     table[i] = piece.replace("\u2581", " ").encode()
             else:
-                table[i] = self.tokenizer.decode([i]).encode()
+                table[i] = self.tokenizer.decode([i], clean_up_tokenization_spaces=False).encode()
         return table
 
     @cached_property

@@ -73,7 +73,8 @@ def draw_lm_samples(prefilled: PrefilledPrompt, grammar: Grammar, n: int, *,
     start = time.perf_counter()
     complete = np.array([bool(t) and t[-1] in eos and not c for t, c in zip(tokens, cut)],
                         dtype=bool)
-    texts = [lm.tokenizer.decode([x for x in t if x not in eos], skip_special_tokens=False)
+    texts = [lm.tokenizer.decode([x for x in t if x not in eos], skip_special_tokens=False,
+                                 clean_up_tokenization_spaces=False)  # the text as sampled
              for t in tokens]
     valid = np.array([c and acceptor.accepts(s) for c, s in zip(complete, texts)], dtype=bool)
     seconds += time.perf_counter() - start  # checking is part of rejection's cost

@@ -106,15 +106,76 @@ def outlines_core_vocabulary(tokenizer, eos_token_id: int):
     return _OC_VOCABULARIES.get_or_build(key, build)
 
 
+def llguidance_byte_mismatches(ll_tokenizer, tokenizer, limit: int = 5
+                               ) -> list[tuple[int, bytes, bytes]]:
+    """Tokens whose bytes in ``ll_tokenizer`` differ from :func:`token_bytes_table`: up to
+    ``limit`` (id, ours, llguidance's), special tokens left out, and tokens starting with the
+    byte 0xFF (llguidance's special-token marker: it cannot spell them; 0xFF never occurs in
+    UTF-8 text, so no grammar over text needs them).
+
+    ``llguidance.hf.from_tokenizer`` guesses byte-level vs SentencePiece from the tokenizer's
+    decoder. A tokenizer that transformers converted from GGUF (SmolLM2's here) carries the
+    decoder chain ``ByteFallback, Fuse, Replace, ByteLevel``; llguidance 1.9 reads it as
+    SentencePiece and keeps ``Ġ`` as the two bytes C4 A0 instead of a space, so its masks are
+    for other text (after ``SELECT`` only the token ``T`` is allowed, and then refused)."""
+    table = token_bytes_table(tokenizer)
+    found: list[tuple[int, bytes, bytes]] = []
+    for token_id, ours in enumerate(table):
+        if ours is None or ours[:1] == b"\xff" or token_id >= ll_tokenizer.vocab_size:
+            continue
+        theirs = ll_tokenizer.decode_bytes([token_id])
+        if theirs != ours:
+            found.append((token_id, ours, theirs))
+            if len(found) >= limit:
+                break
+    return found
+
+
+class _ByteTableTokenizer:
+    """What ``llguidance.TokenizerWrapper`` reads: the raw token bytes of
+    :func:`token_bytes_table` (special tokens as 0xFF + their text, llguidance's convention)
+    and the HF tokenizer's own encoding for canonical tokenisation of forced text."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int]):
+        specials = special_token_ids(tokenizer)
+        table = token_bytes_table(tokenizer)
+        self._tokenizer = tokenizer
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(specials)
+        self.tokens = [b"\xff" + tokenizer.convert_ids_to_tokens(i).encode("utf-8")
+                       if data is None else data for i, data in enumerate(table)]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
 def llguidance_tokenizer(tokenizer, eos_token_ids: Iterable[int]):
-    """An ``llguidance.LLTokenizer`` for a fast HF tokenizer (about a second to build: cached)."""
+    """An ``llguidance.LLTokenizer`` for a fast HF tokenizer (about a second to build: cached).
+
+    Built by ``llguidance.hf.from_tokenizer`` and checked token by token against
+    :func:`token_bytes_table`; where llguidance read other bytes (see
+    :func:`llguidance_byte_mismatches`) it is rebuilt from the byte table instead."""
     import llguidance
     import llguidance.hf
 
     eos = sorted(eos_token_ids)
     key = (TokenizerIdentity.of(tokenizer).sha256, tuple(eos), llguidance.__version__)
-    return _LLG_TOKENIZERS.get_or_build(
-        key, lambda: llguidance.hf.from_tokenizer(tokenizer, eos_token=eos))
+
+    def build():
+        ll = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+        if not llguidance_byte_mismatches(ll, tokenizer, limit=1):
+            return ll
+        wrapped = llguidance.TokenizerWrapper(_ByteTableTokenizer(tokenizer, eos))
+        ll = llguidance.LLTokenizer(wrapped, n_vocab=len(tokenizer), eos_token=eos)
+        wrong = llguidance_byte_mismatches(ll, tokenizer, limit=1)
+        if wrong:
+            token_id, ours, theirs = wrong[0]
+            raise VocabMismatchError(f"llguidance keeps reading token {token_id} as {theirs!r}, "
+                                     f"not its bytes {ours!r}, even when given the byte table")
+        return ll
+
+    return _LLG_TOKENIZERS.get_or_build(key, build)
 
 
 def outlines_core_version() -> str:

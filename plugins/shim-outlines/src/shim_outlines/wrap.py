@@ -11,7 +11,10 @@ grammar and tokenizer, fed the same tokens. llguidance exposes no parser state a
 plugin derives it with a shadow LALR parser), and outlines_core's guides walk an index built
 over outlines' string vocabulary, whose ids need not match the plugin's byte-level index the
 controller was trained on. The rebuilt states also check outlines' mask: a token outlines
-allows but the controller's grammar forbids raises instead of being sampled.
+allows but the controller's grammar forbids raises instead of being sampled. Where outlines'
+llguidance tokenizer spells tokens with other bytes than they have (a GGUF-converted tokenizer
+such as SmolLM2's), its masks are for other text; the wrapped generator then masks with the
+plugin's llguidance tokenizer, built from the token bytes, and warns.
 
 The grammar: for a CFG the processor holds its Lark text, which is checked against the
 controller's manifest by sha256; for regex / JSON schema (outlines_core keeps only the compiled
@@ -29,11 +32,12 @@ from outlines.processors.base_logits_processor import OutlinesLogitsProcessor
 from shim_adapters.errors import VocabMismatchError
 from shim_adapters.grammar import Grammar
 from shim_adapters.protocol import Masker
-from shim_adapters.wrap import (ControllerLike, IncompleteSample, ShimWrapper,
+from shim_adapters.wrap import (ControllerLike, IncompleteSample, ShimWarning, ShimWrapper,
                                 bind_controller, check_model, controller_manifest,
                                 grammar_of_manifest, refuse_beam_search)
 
 from .plugin import create_masker
+from .vocabulary import llguidance_byte_mismatches
 
 
 class ShimOutlinesProcessor(OutlinesLogitsProcessor):
@@ -101,20 +105,40 @@ class ShimGenerator(SteerableGenerator):
         return tracker
 
     def _report(self, result: Any, tracker: _LastIds) -> Any:
-        """Outlines' outputs, each row cut off before acceptance replaced by its report."""
+        """Outlines' outputs, each row cut off before acceptance replaced by its report, and
+        each text outlines decoded differently from the tokens' own bytes replaced by those
+        bytes' text: ``tokenizer.decode`` may clean up spaces (``clean_up_tokenization_spaces``
+        turns ``id !=`` into ``id!=``), and the grammar constrained the tokens, not the
+        cleaned-up text."""
+        import warnings
+
         shim = self.logits_processor.shim
         if tracker.ids is None:  # generate made no step
             return result
         reports = shim.outputs(tracker.ids)
         flat = iter(range(len(reports)))
+        rewritten: list[tuple[int, str, str]] = []
 
         def replace(item):
             if isinstance(item, list):
                 return [replace(x) for x in item]
             row = next(flat)
-            return reports[row] if isinstance(reports[row], IncompleteSample) else item
+            exact = reports[row]
+            if isinstance(exact, IncompleteSample):
+                return exact
+            if isinstance(item, str) and item != exact:
+                rewritten.append((row, item, exact))
+                return exact
+            return item
 
-        return replace(result)
+        out = replace(result)
+        if rewritten:
+            row, decoded, exact = rewritten[0]
+            warnings.warn(f"outlines decoded {len(rewritten)} row(s) to other text than their "
+                          f"tokens spell (row {row}: {decoded!r} for {exact!r}; the tokenizer's "
+                          f"decode cleans up spaces): returned the tokens' text",
+                          ShimWarning, stacklevel=3)
+        return out
 
 
 def _grammar_for(inner, found: Mapping[str, Any], grammar: Grammar | None) -> Grammar:
@@ -160,6 +184,33 @@ def _check_cfg_text(inner, masker: Masker, outlines_model=None) -> None:
                          f"({masker.grammar.name!r})")
 
 
+def _with_true_token_bytes(inner, masker: Masker):
+    """Outlines' llguidance processor over the masker's llguidance tokenizer where outlines'
+    own one spells tokens with other bytes (see
+    :func:`~shim_outlines.vocabulary.llguidance_byte_mismatches`: a GGUF-converted tokenizer
+    such as SmolLM2's): its masks would be for other text, so the first step that followed one
+    would refuse the token it allowed. Warns and names the tokens; the user's generator is
+    left as it was."""
+    import warnings
+
+    from outlines.backends.llguidance import LLGuidanceLogitsProcessor
+
+    if not isinstance(inner, LLGuidanceLogitsProcessor):
+        return inner
+    wrong = llguidance_byte_mismatches(inner.llg_tokenizer, masker.tokenizer, limit=3)
+    if not wrong:
+        return inner
+    shown = ", ".join(f"{token_id}: {theirs!r} (bytes {ours!r})"
+                      for token_id, ours, theirs in wrong)
+    warnings.warn(f"outlines' llguidance tokenizer spells tokens with bytes they do not have "
+                  f"({shown}; llguidance.hf.from_tokenizer misreads this tokenizer's decoder "
+                  f"chain), so its masks are for other text: the wrapped generator masks with "
+                  f"a llguidance tokenizer built from the token bytes instead",
+                  ShimWarning, stacklevel=3)
+    return LLGuidanceLogitsProcessor(inner.grammar, masker.ll_tokenizer,
+                                     inner.tensor_library_name)
+
+
 def _logits_width(outlines_model) -> int:
     hf = outlines_model.model
     out = hf.get_output_embeddings()
@@ -203,6 +254,7 @@ def with_shim(generator: SteerableGenerator, controller: ControllerLike, *,
     fitted = bind_controller(controller, masker, manifest=manifest, lm=lm)
     check_model(found, generator.model.model, lm)
     _check_cfg_text(inner, masker, generator.model)
+    inner = _with_true_token_bytes(inner, masker)
     wrapped = ShimGenerator.from_processor(generator.model,
                                            ShimOutlinesProcessor(inner, masker, fitted))
     wrapped.wrapped = generator
