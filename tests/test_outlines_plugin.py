@@ -136,20 +136,26 @@ def test_features_follow_declared_status(maskers, name):
 
 
 # ---- soundness: random walks end only in strings of the language ----------------------------
-@pytest.mark.parametrize("name", ["regex", "schema", "bv4", "json", "sql", "binary5"])
-def test_random_walks_end_in_accepted_strings(maskers, gpt2, name):
-    masker = maskers[name]
+def _finished_walks(masker, tokenizer, seed: int, walks: int) -> int:
+    """Random walks that reached EOS; each one's text must be accepted by the reference and
+    followed to the end by the shadow parser."""
     accept = reference_acceptor(masker.grammar).accepts
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     finished = 0
-    for _ in range(30):
+    for _ in range(walks):
         state = masker.new_state()
-        if _walk(state, rng, gpt2):
+        if _walk(state, rng, tokenizer):
             finished += 1
             text = state.text()
-            assert accept(text), f"{name}: masker produced a string outside L(G): {text!r}"
+            assert accept(text), f"{masker.grammar.name}: output outside L(G): {text!r}"
             if getattr(state, "shadow", None) is not None:
                 state.shadow.copy().finish()  # the shadow parser followed the whole output
+    return finished
+
+
+@pytest.mark.parametrize("name", ["regex", "schema", "bv4", "json", "sql", "binary5"])
+def test_random_walks_end_in_accepted_strings(maskers, gpt2, name):
+    finished = _finished_walks(maskers[name], gpt2, seed=7, walks=30)
     assert finished >= 15, f"only {finished}/30 walks of {name} reached EOS"
 
 
@@ -447,13 +453,4 @@ def test_llguidance_tokenizer_is_rebuilt_from_the_byte_table(gguf_style_gpt2, gp
         forced.advance(token)
     assert gguf_style_gpt2.decode(gguf_style_gpt2.encode(sql)) != sql  # the clean-up is on
     assert forced.text() == sql and forced.eos_allowed()
-    accept = reference_acceptor(masker.grammar).accepts
-    rng = np.random.default_rng(3)
-    finished = 0
-    for _ in range(20):
-        walk = masker.new_state()
-        if _walk(walk, rng, gguf_style_gpt2):
-            finished += 1
-            assert accept(walk.text()), walk.text()
-            walk.shadow.copy().finish()
-    assert finished >= 10
+    assert _finished_walks(masker, gguf_style_gpt2, seed=3, walks=20) >= 10
