@@ -143,7 +143,8 @@ class _ByteTableTokenizer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(specials)
-        self.tokens = [b"\xff" + tokenizer.convert_ids_to_tokens(i).encode("utf-8")
+        # special tokens and ids without a token (holes) are never text
+        self.tokens = [b"\xff" + (tokenizer.convert_ids_to_tokens(i) or f"<id {i}>").encode()
                        if data is None else data for i, data in enumerate(table)]
 
     def __call__(self, text: str) -> list[int]:
