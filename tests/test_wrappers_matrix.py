@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from shim_adapters.controller import fit_controller
+from shim_adapters.errors import DeadEndError
 from shim_adapters.generation import FAITHFUL_SAMPLING
 from shim_adapters.grammar import Grammar, builtin_grammar
 from shim_adapters.plugins import get_backend
@@ -64,6 +65,15 @@ OUTLINES_INTEGER_BOUNDS = pytest.mark.xfail(strict=False, reason=(  # an LM may 
     "'(-)?(0|[1-9][0-9]*)', so the outlines generator and the plugin's masker (same regex) "
     "allow ages outside 0..99"))
 
+#: Found by this matrix (SmolLM2, SynCode's processor): SynCode finds no token inside a
+#: multi-character literal or after a newline, and the wrapper fails closed (DeadEndError).
+SYNCODE_SMOLLM2_LITERALS = pytest.mark.xfail(strict=False, raises=DeadEndError, reason=(
+    "SynCode 0.4.16 SyncodeLogitsProcessor(mode='grammar_strict') with SmolLM2's tokenizer "
+    "allows only '<|endoftext|>' after '(def' (bv4; the plugin allows 'i', 'in', 'ine'), "
+    "after 'SELECT iredry FROM' (sql; the plugin allows ' ', ' t', ...) and, besides EOS, "
+    "nothing after '-0\\n' (json; the plugin allows whitespace): no token is left that both "
+    "allow, so the wrapper raises DeadEndError instead of generating unconstrained"))
+
 
 def _cells():
     for tok in TOKENIZERS:
@@ -74,6 +84,8 @@ def _cells():
                 marks = () if (tok, grammar, wrapper) == DEFAULT_CELL else (pytest.mark.slow,)
                 if wrapper == "outlines" and grammar == "person-schema":
                     marks += (OUTLINES_INTEGER_BOUNDS,)
+                if wrapper == "syncode" and tok == "smollm2":
+                    marks += (SYNCODE_SMOLLM2_LITERALS,)
                 yield pytest.param(tok, grammar, wrapper, marks=marks,
                                    id=f"{tok}-{grammar}-{wrapper}")
 
