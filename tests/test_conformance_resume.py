@@ -176,3 +176,14 @@ def test_a_repro_text_with_a_unicode_line_separator_survives_the_log(tmp_path):
     log.add_cell(CellResult("b", "1", "t", "g", error="text with \x85 and \u2028 inside"))
     again = CellLog.open(tmp_path / "x.cells.jsonl", {"a": 1}, resume=True)
     assert again.cells[("b", "t", "g")].error == "text with \x85 and \u2028 inside"
+
+
+def test_a_planned_cell_is_named_as_its_run_names_it():
+    """A resumed matrix plans cells by tokenizer label without loading the tokenizer; the
+    label must be the name the run records, or every cell stays "not run yet" (bit 8)."""
+    from shim_adapters.conformance.runner import tokenizer_label
+
+    assert tokenizer_label("default") == "shipped"
+    assert tokenizer_label("qwen2.5") == "qwen2.5"
+    assert tokenizer_label("smollm2") == "smollm2"
+    assert tokenizer_label({"name": "gpt2", "logits_width": 50304}) == "gpt2"

@@ -230,7 +230,7 @@ def tokenizer_label(spec) -> str:
     name = spec.get("name") if isinstance(spec, dict) else spec
     if name is None or (isinstance(name, str) and name in SHIPPED_TOKENIZER_NAMES):
         return "shipped"
-    if isinstance(name, str) and name in OFFLINE_TOKENIZERS:
+    if isinstance(name, str) and (name in OFFLINE_TOKENIZERS or name == SMOLLM2_SPEC):
         return name
     return _path_label(Path(name))
 
