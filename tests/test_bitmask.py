@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shim_adapters.bitmask import (allocate_token_bitmask, apply_token_bitmask_, bitmask_words,
+                                   numpy_first_empty_row, numpy_rows_with_any,
                                    pack_mask, rows_with_any, unpack_bitmask)
 from shim_adapters.errors import ForbiddenTokenError
 from shim_adapters.grammar import builtin_grammar
@@ -89,6 +90,58 @@ def test_every_backend_fills_exactly_its_allowed_mask(shipped_lm, backend, gramm
         assert torch.equal(batched[row], expected), f"batched fill, row {row}"
     masker.fill_next_token_bitmasks(states, batched, range(len(states)))
     assert torch.equal(batched, bitmask)
+
+
+@settings(max_examples=200, deadline=None)
+@given(vocab=st.integers(1, 200), batch=st.integers(1, 5), seed=st.integers(0, 10_000))
+def test_first_empty_row_is_the_first_row_without_a_token(vocab, batch, seed):
+    """The per-step dead-end check looks only at the first ``vocab`` bits of each row: a row
+    whose only set bits lie past the vocabulary (logit padding) is empty."""
+    rng = np.random.default_rng(seed)
+    words = np.zeros((batch, bitmask_words(vocab) + 1), dtype=np.int32)
+    for row in range(batch):
+        kind = rng.integers(3)  # empty, one token, bits only past the vocabulary
+        if kind == 1:
+            t = int(rng.integers(vocab))
+            words[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        elif kind == 2:
+            words[row, -1] = -1
+            if vocab % 32:
+                words[row, vocab // 32] = np.int32(np.uint32((0xFFFFFFFF << (vocab % 32))
+                                                             & 0xFFFFFFFF).view(np.int32))
+    empty = np.flatnonzero(~numpy_rows_with_any(words, vocab))
+    expected = int(empty[0]) if len(empty) else None
+    assert numpy_first_empty_row(words, vocab) == expected
+
+
+@pytest.mark.parametrize("grammar", ["json", "bv4"])
+def test_xgrammar_fill_of_a_few_rows_equals_each_rows_fill(shipped_lm, grammar):
+    """One to four rows take the word-by-word fix-ups (and a batch XGrammar's batched fill):
+    the same words as each state's own fill, EOS included where the grammar accepts."""
+    from shim_adapters.generation import generate_masked
+
+    g = builtin_grammar(grammar)
+    masker = get_backend("xgrammar").compile(g, shipped_lm.tokenizer, shipped_lm.vocab_size + 37)
+    states = _walk_states(masker)
+    # and every prefix of a complete output, so that some rows allow EOS
+    out = generate_masked(shipped_lm.model, shipped_lm.tokenizer, masker, g.default_prompt, 4,
+                          max_new_tokens=96, seed=0)
+    text = next(t for t, done in zip(out.texts, out.complete) if done)
+    state = masker.new_state()
+    for token in shipped_lm.tokenizer.encode(text, add_special_tokens=False):
+        state.advance(token)
+        states.append(state.fork())
+    single = allocate_token_bitmask(len(states), masker.vocab_size)
+    for row, state in enumerate(states):
+        state.fill_next_token_bitmask(single, row)
+    accepting = [r for r, s in enumerate(states) if s.eos_allowed()]
+    assert accepting, "the walk should reach a state where EOS is allowed"
+    for size in (1, 2, 3, 4, 7):
+        rows = sorted(set(accepting[:1] + list(range(0, len(states), 3))[:size - 1]))
+        batched = allocate_token_bitmask(len(states), masker.vocab_size)
+        masker.fill_next_token_bitmasks([states[r] for r in rows], batched, rows)
+        for row in rows:
+            assert torch.equal(batched[row], single[row]), (size, row)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "syncode", "outlines"])

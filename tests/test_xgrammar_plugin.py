@@ -425,6 +425,60 @@ def test_key_trie_serves_the_dumped_key(compile_grammar, grammar_name):
     assert trie.served > served_before  # the shared prefixes were served without a dump
 
 
+@pytest.mark.parametrize("grammar_name", ["json", "bv4", "sql"])
+def test_position_free_key_equals_the_regex_reference(compile_grammar, grammar_name):
+    """The str-split key (hot path) gives exactly the regex split's key on every dump of
+    random walks, and a dump in another layout takes the regex path."""
+    from shim_xgrammar.masker import _position_free_key, _position_free_key_regex
+
+    masker = compile_grammar(builtin_grammar(grammar_name))
+    rng = np.random.default_rng(3)
+    dumps = []
+    for _ in range(8):
+        state = masker.new_state()
+        for _ in range(30):
+            dumps.append(state._matcher._debug_print_internal_state())
+            allowed = [t for t in state.allowed_token_ids() if t not in masker.eos_token_ids]
+            if not allowed:
+                break
+            state.advance(int(rng.choice(allowed)))
+    if grammar_name == "json":  # nested items (several offsets to rank) on these walks
+        assert any(isinstance(_position_free_key(d)[1], tuple) for d in dumps)
+    for dump in dumps:
+        assert _position_free_key(dump) == _position_free_key_regex(dump)
+    odd = dumps[-1].replace("rule_start_pos=", "rule_start_pos= ", 1)
+    assert _position_free_key(odd) == _position_free_key_regex(odd)
+
+
+def test_advance_states_is_each_rows_advance(compile_grammar):
+    """The batch step inlines advance: the same tokens, keys and finished flags as row by
+    row, and a forbidden token still raises, naming its row's state, after the others moved."""
+    masker = compile_grammar(builtin_grammar("json"))
+    rng = np.random.default_rng(4)
+    rows = [masker.new_state() for _ in range(5)]
+    twins = [masker.new_state() for _ in range(5)]
+    for _ in range(25):
+        tokens = []
+        for state in rows:
+            allowed = state.allowed_token_ids() if not state.is_finished else []
+            tokens.append(int(rng.choice(allowed)) if len(allowed) else None)
+        live = [i for i, t in enumerate(tokens) if t is not None]
+        if not live:
+            break
+        masker.advance_states([rows[i] for i in live], [tokens[i] for i in live])
+        for i in live:
+            twins[i].advance(tokens[i])
+        for a, b in zip(rows, twins):
+            assert a.token_ids == b.token_ids and a.is_finished == b.is_finished
+            assert a.feature_key() == b.feature_key()
+    a, b = masker.new_state(), masker.new_state()
+    bad = next(t for t in range(masker.tokenizer_size) if not b.allowed_mask()[t])
+    good = int(a.allowed_token_ids()[0])
+    with pytest.raises(ForbiddenTokenError) as raised:
+        masker.advance_states([a, b], [good, bad])
+    assert raised.value.token_id == bad and a.token_ids == (good,) and b.token_ids == ()
+
+
 def test_key_trie_is_bounded(compile_grammar):
     """A full trie starts over: keys stay right, nodes stay under the bound."""
     masker = compile_grammar(builtin_grammar("json"))

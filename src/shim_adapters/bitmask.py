@@ -110,6 +110,28 @@ def numpy_rows_with_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
     return any_
 
 
+def numpy_first_empty_row(words: np.ndarray, vocab_size: int) -> int | None:
+    """The first row of a numpy bitmask that allows none of the first ``vocab_size`` tokens,
+    or None. Every decoding step asks this once and the answer is almost always None, so the
+    usual case is one reduction (one per row at batch 1), the tail word only looked at for a
+    row whose full words are all zero."""
+    full, rest = divmod(int(vocab_size), BITS_PER_WORD)
+    if words.shape[0] == 1:
+        if words[0, :full].any():
+            return None
+        candidates = [0]
+    else:
+        any_ = words[:, :full].any(axis=1)
+        if any_.all():
+            return None
+        candidates = np.flatnonzero(~any_).tolist()
+    tail = (1 << rest) - 1
+    for row in candidates:
+        if not rest or not int(words[row, full]) & tail:
+            return row
+    return None
+
+
 def rows_with_any(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(batch,) bool: which rows allow at least one of the first ``vocab_size`` tokens."""
     full, rest = divmod(int(vocab_size), BITS_PER_WORD)

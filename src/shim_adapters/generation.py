@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from .bitmask import allocate_token_bitmask, numpy_rows_with_any, pack_mask
+from .bitmask import allocate_token_bitmask, numpy_first_empty_row, pack_mask
 from .errors import DeadEndError, VocabMismatchError
 from .protocol import Masker, MaskerState
 
@@ -45,6 +45,9 @@ class MaskedLogitsProcessor(LogitsProcessor):
     ``log_gamma`` with the allowed ids, after the mask. ``scores`` is modified in place and
     returned."""
 
+    _words: np.ndarray | None = None  # numpy view of _words_of (the bitmask it was taken from)
+    _words_of: torch.Tensor | None = None
+
     def __init__(self, states: Sequence[MaskerState], adjuster: LogitAdjuster | None = None):
         if not states:
             raise ValueError("MaskedLogitsProcessor needs one MaskerState per batch row")
@@ -52,7 +55,7 @@ class MaskedLogitsProcessor(LogitsProcessor):
         self.adjuster = adjuster
         self._prompt_length: int | None = None
         self._bitmask: torch.Tensor | None = None
-        self._eos_row: torch.Tensor | None = None
+        self._eos_row: np.ndarray | None = None  # packed words of an EOS-only row
 
     def reset(self, states: Sequence[MaskerState]) -> None:
         """Start over with fresh states (a new ``generate`` call)."""
@@ -66,19 +69,23 @@ class MaskedLogitsProcessor(LogitsProcessor):
             return
         generated = input_ids.shape[1] - self._prompt_length
         last = None
+        stepping, tokens = [], []  # rows one token behind (the usual case): one batched step
         for row, state in enumerate(self.states):
             if state.is_finished:
                 continue  # transformers pads finished rows; nothing more to consume
             step = state.step
-            if step == generated - 1:  # the usual case: one new token
+            if step == generated - 1:
                 if last is None:
                     last = input_ids[:, -1].tolist()
-                state.advance(int(last[row]))
+                stepping.append(state)
+                tokens.append(last[row])
             elif step < generated:
                 for token in input_ids[row, self._prompt_length + step:].tolist():
                     if state.is_finished:
                         break
                     state.advance(int(token))
+        if stepping:
+            stepping[0].masker.advance_states(stepping, tokens)
 
     def allowed_masks(self) -> np.ndarray:
         """(batch, vocab) bool masks; finished rows allow only EOS so sampling stays defined."""
@@ -97,28 +104,29 @@ class MaskedLogitsProcessor(LogitsProcessor):
     def fill_bitmask(self) -> torch.Tensor:
         """The batch's packed masks (int32, XGrammar's layout; see :mod:`shim_adapters.bitmask`);
         finished rows allow only EOS. Raises DeadEndError for a live row with no token."""
-        masker = self.states[0].masker
-        batch = len(self.states)
-        if self._bitmask is None or self._bitmask.shape[0] != batch:
-            self._bitmask = allocate_token_bitmask(batch, masker.vocab_size)
+        states = self.states
+        masker = states[0].masker
+        batch = len(states)
+        bitmask = self._bitmask
+        if bitmask is None or bitmask.shape[0] != batch:
+            bitmask = self._bitmask = allocate_token_bitmask(batch, masker.vocab_size)
+        if self._words_of is not bitmask:  # the numpy view, once per buffer
+            self._words, self._words_of = bitmask.numpy(), bitmask
         if self._eos_row is None:
             only_eos = np.zeros(masker.vocab_size, dtype=bool)
             only_eos[min(masker.eos_token_ids)] = True
-            self._eos_row = torch.from_numpy(pack_mask(only_eos))
-        bitmask = self._bitmask
-        words = bitmask.numpy()
-        eos_row = self._eos_row.numpy()
-        live = []
-        for row, state in enumerate(self.states):
-            if state.is_finished:
-                words[row] = eos_row
-            else:
-                live.append(row)
-        masker.fill_next_token_bitmasks([self.states[r] for r in live], bitmask, live)
-        nonempty = numpy_rows_with_any(words, masker.vocab_size)
-        if not nonempty.all():
-            row = int(np.flatnonzero(~nonempty)[0])
-            state = self.states[row]
+            self._eos_row = pack_mask(only_eos)
+        words = self._words
+        finished = [row for row, state in enumerate(states) if state.is_finished]
+        if not finished:  # the usual case: every row live, in order
+            masker.fill_next_token_bitmasks(states, bitmask, range(batch))
+        else:
+            words[finished] = self._eos_row
+            live = [row for row, state in enumerate(states) if not state.is_finished]
+            masker.fill_next_token_bitmasks([states[r] for r in live], bitmask, live)
+        row = numpy_first_empty_row(words, masker.vocab_size)
+        if row is not None:
+            state = states[row]
             raise DeadEndError(state.step, state.describe(), row=row)
         return bitmask
 

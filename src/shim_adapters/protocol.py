@@ -206,6 +206,13 @@ class Masker(abc.ABC):
         for row, state in zip(rows, states):
             state.fill_next_token_bitmask(bitmask, row)
 
+    def advance_states(self, states: Sequence[MaskerState], token_ids: Sequence[int]) -> None:
+        """``states[i].advance(token_ids[i])`` for every i (a batch's step: backends may
+        override it to accept the batch in one call). Raises as ``advance`` does, for the
+        first row whose token is forbidden."""
+        for state, token_id in zip(states, token_ids):
+            state.advance(token_id)
+
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """Mask ``logits`` (batch, vocab) in place with a packed bitmask (batch, words).
 

@@ -233,6 +233,13 @@ class ShimWrapper(MaskedLogitsProcessor):
         """Hook: make ``state`` consume the row's new token (after the backend's call)."""
         state.advance(token_id)
 
+    def _consume_all(self, new: Sequence[int | None]) -> None:
+        """Every live row consumes its new token (None: a finished row); a wrapper may do
+        the batch at once."""
+        for row, (state, token) in enumerate(zip(self.states, new)):
+            if token is not None:
+                self._consume(row, state, token)
+
     # ---- row bookkeeping ----------------------------------------------------------------
     def _begin(self, input_ids: torch.LongTensor) -> None:
         rows = int(input_ids.shape[0])
@@ -346,9 +353,7 @@ class ShimWrapper(MaskedLogitsProcessor):
             self.states = self._create_states(int(input_ids.shape[0]))
             self._prompt_length = int(input_ids.shape[1])
         else:
-            for row, (state, token) in enumerate(zip(self.states, new)):
-                if token is not None:
-                    self._consume(row, state, token)
+            self._consume_all(new)
         bitmask = self.fill_bitmask()  # finished rows: EOS only; DeadEndError on an empty row
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)

@@ -24,6 +24,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from shim_adapters.bitmask import numpy_first_empty_row
+from shim_adapters.errors import DeadEndError
 from shim_adapters.grammar import Grammar
 from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, bind_controller,
                                 controller_manifest, grammar_of_manifest)
@@ -36,11 +38,7 @@ class BorrowedMatcherState(XGrammarState):
 
     def record(self, token_id: int) -> None:
         """Note a token the owning processor has already accepted into the matcher."""
-        self._token_ids.append(int(token_id))
-        if self._node is not None:
-            self._walk(int(token_id))
-        if int(token_id) in self.masker.eos_token_ids:
-            self._finished = True
+        self._note_accepted(int(token_id))
 
     def borrow_bitmask(self, processor, row: int, wrapper=None) -> None:
         """Take this row's mask from the owning processor's bitmask (it filled it this call)
@@ -97,19 +95,72 @@ class ShimXGrammarProcessor(ShimWrapper):
             state.borrow_bitmask(self.inner, row, self)
         return states
 
-    _copied = None  # the bitmask that holds XGrammar's rows of this call
+    _copied = None  # a bitmask that already holds XGrammar's rows of this call (see _fill_raw)
+    _theirs_of = None  # XGrammar's bitmask tensor, and its numpy view
+    _theirs = None
+    _extra = None  # (batch, fix-up words) int32: XGrammar's bits the masker forbids, or None
 
     def fill_bitmask(self) -> torch.Tensor:
-        """XGrammar's bitmask of this call in one copy, then the masker's fix-ups per row."""
+        """XGrammar's own bitmask of this call, read in place (no copy, no second fill): the
+        masker's mask is XGrammar's with the fix-up words (control tokens, padding, EOS)
+        changed, so only those words are compared, giving ``_extra``, the bits XGrammar
+        allowed that the masker forbids (masked by :meth:`_apply_mask`). Raises DeadEndError
+        for a live row with no token left in the intersection."""
         theirs = self.inner.token_bitmask
-        if self._bitmask is None or self._bitmask.shape != theirs.shape:
-            self._bitmask = torch.empty_like(theirs)
-        self._bitmask.copy_(theirs)
-        self._copied = self._bitmask
-        try:
-            return super().fill_bitmask()
-        finally:
-            self._copied = None
+        if self._theirs_of is not theirs:
+            self._theirs, self._theirs_of = theirs.numpy(), theirs
+        words = self._theirs
+        masker = self.masker
+        states = self.states
+        live = [row for row, state in enumerate(states) if not state.is_finished]
+        # EOS is the masker's where XGrammar allowed it and the matcher completes (the two
+        # agree on every state measured; is_completed is asked only there)
+        completed = {row for row in live
+                     if any(int(words[row, w]) & bits for w, bits in masker._eos_words)
+                     and states[row]._matcher.is_completed()}
+        scalars = masker._fix_scalars
+        extra = None
+        if scalars is not None and len(live) <= 4:  # item reads: cheaper than slice ops here
+            eos_bits = masker._fix_eos_by_word
+            for row in live:
+                done = row in completed
+                for j, (w, keep) in enumerate(scalars):
+                    bits = int(words[row, w])
+                    ours = bits & keep
+                    if done:
+                        ours |= eos_bits.get(w, 0)
+                    if bits & ~ours:
+                        if extra is None:
+                            extra = np.zeros((len(states), len(scalars)), dtype=np.int32)
+                        extra[row, j] = bits & ~ours
+        elif live:
+            fix = masker._fix_words
+            t = words[:, fix]
+            ours = t & masker._fix_keep
+            if completed:
+                ours[sorted(completed)] |= masker._fix_eos
+            extra = t & ~ours
+            if len(live) < len(states):
+                extra[[row for row, state in enumerate(states) if state.is_finished]] = 0
+            if not extra.any():
+                extra = None
+        self._extra = extra
+        if len(live) == len(states):
+            empty = numpy_first_empty_row(words, masker.vocab_size)
+        else:
+            empty = next((row for row in live if numpy_first_empty_row(
+                words[row:row + 1], masker.vocab_size) is not None), None)
+        if empty is None and extra is not None:  # rows whose only tokens are the extra bits
+            for row in np.flatnonzero(extra.any(axis=1)).tolist():
+                kept = words[row:row + 1].copy()
+                kept[0, masker._fix_words] &= ~extra[row]
+                if numpy_first_empty_row(kept, masker.vocab_size) is not None:
+                    empty = row
+                    break
+        if empty is not None:
+            state = states[empty]
+            raise DeadEndError(state.step, state.describe(), row=empty)
+        return theirs
 
     def _apply_mask(self, scores: torch.FloatTensor, bitmask: torch.Tensor) -> None:
         """XGrammar's call has applied its own mask; the masker's differs only in the fix-up
@@ -117,46 +168,53 @@ class ShimXGrammarProcessor(ShimWrapper):
         only those are masked here, instead of a second pass of the kernel over the batch:
         the result is the intersection of the two masks, as a full apply would give."""
         masker = self.masker
-        fix = masker._fix_words
-        extra = self._extra  # XGrammar's words & ~ours on the fix-up words (from _agree)
         finished = [row for row, state in enumerate(self.states) if state.is_finished]
         if finished:  # only EOS, as fill_bitmask's row (transformers pads these rows)
-            extra[finished] = 0
             eos = min(masker.eos_token_ids)
-            rows = torch.tensor(finished, device=scores.device)
-            kept = scores[rows, eos]
-            scores[rows] = float("-inf")
-            scores[rows, eos] = kept
-        if extra.any():
-            bits = np.unpackbits(np.ascontiguousarray(extra).view(np.uint8), axis=1,
-                                 bitorder="little").astype(bool)
-            rows, cols = np.nonzero(bits)
-            ids = fix[cols // 32] * 32 + cols % 32
+            view = _numpy_of(scores)
+            if view is not None:  # numpy: a third of the cost of the torch index ops
+                kept = view[finished, eos]
+                view[finished] = -np.inf
+                view[finished, eos] = kept
+            else:
+                rows = torch.tensor(finished, device=scores.device)
+                kept = scores[rows, eos]
+                scores[rows] = float("-inf")
+                scores[rows, eos] = kept
+        extra = self._extra
+        if extra is not None:
+            rows, ids = self._extra_ids(extra)
             keep = ids < scores.shape[-1]
             scores[torch.from_numpy(rows[keep]).to(scores.device),
                    torch.from_numpy(ids[keep]).to(scores.device)] = float("-inf")
 
-    def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
-        state.record(token_id)
-
-    def _agree(self, bitmask, scores, was_neginf) -> None:
-        """Tokens XGrammar allowed that the masker's fix-ups forbid: control tokens are
-        masked with one warning, padding silently; anything else (EOS where XGrammar and the
-        matcher's completion disagree) takes the whole-logits check, which refuses it."""
-        masker = self.masker
-        fix = masker._fix_words
-        theirs = self.inner.token_bitmask.numpy()[:, fix]
-        extra = self._extra = theirs & ~bitmask.numpy()[:, fix]
-        extra = extra.copy()
-        for row, state in enumerate(self.states):
-            if state.is_finished:
-                extra[row] = 0
-        if not extra.any():
-            return
+    def _extra_ids(self, extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, token ids) of the set bits of ``extra`` (fix-up words)."""
         bits = np.unpackbits(np.ascontiguousarray(extra).view(np.uint8), axis=1,
                              bitorder="little").astype(bool)
         rows, cols = np.nonzero(bits)
-        ids = fix[cols // 32] * 32 + cols % 32
+        return rows, self.masker._fix_words[cols // 32] * 32 + cols % 32
+
+    def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
+        state.record(token_id)
+
+    def _consume_all(self, new) -> None:
+        """:meth:`BorrowedMatcherState.record` of every live row, without the per-row hook
+        calls (per-row Python overhead is most of the wrapper's own cost at batch 16-32)."""
+        for state, token in zip(self.states, new):
+            if token is not None:
+                state._note_accepted(token)
+
+    def _agree(self, bitmask, scores, was_neginf) -> None:
+        """Tokens XGrammar allowed that the masker's fix-ups forbid (``_extra``, from
+        :meth:`fill_bitmask`): control tokens are masked with one warning, padding silently;
+        anything else (EOS where XGrammar and the matcher's completion disagree) takes the
+        whole-logits check, which refuses it."""
+        extra = self._extra
+        if extra is None:
+            return
+        masker = self.masker
+        _, ids = self._extra_ids(extra)
         special = masker._special_ids
         if all(t >= masker.tokenizer_size or int(t) in special for t in ids.tolist()):
             new = [t for t in sorted(set(int(t) for t in ids if int(t) in special))
@@ -170,7 +228,17 @@ class ShimXGrammarProcessor(ShimWrapper):
                     ShimWarning, stacklevel=3)
             return
         # a disagreement beyond control tokens: the generic check names and refuses it
-        super()._agree(bitmask, scores, torch.zeros_like(scores, dtype=torch.bool))
+        ours = np.array(self._theirs, copy=True)
+        ours[:, masker._fix_words] &= ~extra
+        super()._agree(torch.from_numpy(ours), scores,
+                       torch.zeros_like(scores, dtype=torch.bool))
+
+
+def _numpy_of(scores: torch.Tensor) -> np.ndarray | None:
+    """The logits' own memory as numpy (CPU, no grad, float32), else None."""
+    if scores.device.type != "cpu" or scores.requires_grad or scores.dtype != torch.float32:
+        return None
+    return scores.numpy()
 
 
 def _check_same_compilation(xgr_processor, masker: XGrammarMasker) -> None:
