@@ -245,6 +245,18 @@ def test_wrapper_scores_equal_shim_logits_processor(lm, syncode_cls, backend, gr
     assert moved > 0, "the controller never changed the logits: the comparison proves nothing"
 
 
+@pytest.mark.parametrize("grammar", ["binary5", "json"])
+def test_xgrammar_wrapper_scores_equal_shim_logits_processor_at_batch_6(lm, syncode_cls,
+                                                                       grammar):
+    """Past four rows the XGrammar wrapper compares the fix-up words with array ops (and
+    asks is_completed only where XGrammar allows EOS): still the same logits, step by step,
+    as rows finish."""
+    masker, controller = fitted(lm, "xgrammar", grammar)
+    wrapped = wrap(lm, "xgrammar", grammar, syncode_cls)
+    moved = _forced_walk(lm, masker, controller, wrapped, masker.grammar.default_prompt, rows=6)
+    assert moved > 0, "the controller never changed the logits: the comparison proves nothing"
+
+
 def test_outlines_regex_wrapper_scores_equal_shim_logits_processor(lm, regex_setup):
     from shim_outlines.wrap import with_shim
 

@@ -268,6 +268,8 @@ class XGrammarMasker(Masker):
         self._fix_scalars = ([(int(w), int(k)) for w, k in zip(fix, self._fix_keep)]
                              if len(fix) <= _ITEM_FIX_WORDS else None)
         self._fix_eos_by_word = {int(w): int(b) for w, b in self._eos_words}
+        self._eos_word_ids = np.array([w for w, _ in self._eos_words], dtype=np.intp)
+        self._eos_word_bits = np.array([b for _, b in self._eos_words], dtype=np.int32)
 
     def fill_next_token_bitmasks(self, states, bitmask, rows) -> None:
         """XGrammar's fill (one batched call for a batch), then the fix-ups: word by word for
@@ -297,10 +299,16 @@ class XGrammarMasker(Masker):
         if not live:
             return
         eos_words = self._eos_words
-        completed = [row for row, state in live
-                     if any(int(words[row, w]) & bits for w, bits in eos_words)
-                     and state._matcher.is_completed()]
         scalars = self._fix_scalars
+        if len(live) <= _ITEM_FIX_ROWS:
+            completed = [row for row, state in live
+                         if any(int(words[row, w]) & bits for w, bits in eos_words)
+                         and state._matcher.is_completed()]
+        else:  # one gather of the EOS words for the batch
+            rows_ = [row for row, _ in live]
+            raw = words[rows_][:, self._eos_word_ids] & self._eos_word_bits
+            completed = [live[i][0] for i in np.flatnonzero(raw.any(axis=1)).tolist()
+                         if live[i][1]._matcher.is_completed()]
         if scalars is not None and len(live) <= _ITEM_FIX_ROWS:
             for row, _ in live:
                 for w, keep in scalars:

@@ -115,15 +115,13 @@ class ShimXGrammarProcessor(ShimWrapper):
         live = [row for row, state in enumerate(states) if not state.is_finished]
         # EOS is the masker's where XGrammar allowed it and the matcher completes (the two
         # agree on every state measured; is_completed is asked only there)
-        completed = {row for row in live
-                     if any(int(words[row, w]) & bits for w, bits in masker._eos_words)
-                     and states[row]._matcher.is_completed()}
         scalars = masker._fix_scalars
         extra = None
         if scalars is not None and len(live) <= 4:  # item reads: cheaper than slice ops here
             eos_bits = masker._fix_eos_by_word
             for row in live:
-                done = row in completed
+                done = (any(int(words[row, w]) & bits for w, bits in masker._eos_words)
+                        and states[row]._matcher.is_completed())
                 for j, (w, keep) in enumerate(scalars):
                     bits = int(words[row, w])
                     ours = bits & keep
@@ -137,8 +135,11 @@ class ShimXGrammarProcessor(ShimWrapper):
             fix = masker._fix_words
             t = words[:, fix]
             ours = t & masker._fix_keep
+            eos_rows = np.flatnonzero((t & masker._fix_eos).any(axis=1)).tolist()
+            completed = [row for row in eos_rows if not states[row].is_finished
+                         and states[row]._matcher.is_completed()]
             if completed:
-                ours[sorted(completed)] |= masker._fix_eos
+                ours[completed] |= masker._fix_eos
             extra = t & ~ours
             if len(live) < len(states):
                 extra[[row for row, state in enumerate(states) if state.is_finished]] = 0
