@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -495,3 +496,88 @@ def test_key_trie_is_bounded(compile_grammar):
                 assert trie.nodes <= trie.max_nodes
     finally:
         trie.max_nodes = bound
+
+
+# ---- raw control characters inside JSON-schema strings (shim_xgrammar.json_strings) ----------
+PERSON = Path(__file__).resolve().parents[1] / "conformance" / "grammars" / "person.json"
+
+
+def test_json_string_lexer_follows_quotes_escapes_and_refuses_raw_controls():
+    from shim_xgrammar.json_strings import ESCAPED, IN_STRING, OUTSIDE, REFUSED, scan
+
+    assert scan(b'{"a', OUTSIDE) == IN_STRING
+    assert scan(b'b", "', IN_STRING) == IN_STRING  # closes, then opens the next string
+    assert scan(b'\\', IN_STRING) == ESCAPED and scan(b'"', ESCAPED) == IN_STRING
+    assert scan(b'\\\\"', IN_STRING) == OUTSIDE  # an escaped backslash, then the closing quote
+    assert scan(b'\t', IN_STRING) == REFUSED and scan(b'x\x00', IN_STRING) == REFUSED
+    assert scan(b'",\n\t"', IN_STRING) == IN_STRING  # whitespace between tokens is JSON's
+    assert scan(b'"\n', OUTSIDE) == REFUSED  # opens a string, then a raw newline in it
+
+
+def test_schema_strings_refuse_raw_control_characters_that_xgrammar_allows(compile_grammar,
+                                                                           tokenizer):
+    """XGrammar 0.2.9 lets '\\x00'... into a JSON-schema string (RFC 8259 forbids them raw);
+    the plugin refuses them in its mask, its advance and its batched fill, and still allows
+    them as whitespace between tokens and the escaped forms inside strings."""
+    import xgrammar as xgr
+
+    masker = compile_grammar(load_grammar(PERSON))
+    vocab = masker.decoded_vocab
+    controls = [t for t in range(masker.tokenizer_size) if len(vocab[t]) == 1
+                and vocab[t][0] < 0x20 and t not in masker.eos_token_ids]
+    assert controls
+    state = masker.new_state()
+    for token in tokenizer.encode('{"name":"', add_special_tokens=False):
+        state.advance(token)
+    raw = xgr.GrammarMatcher(masker.compiled)
+    assert raw.accept_string('{"name":"')
+    upstream = allowed_by_matcher(raw, masker.vocab_size)
+    mask = state.allowed_mask()
+    assert not mask[controls].any()
+    for token in controls:
+        with pytest.raises(ForbiddenTokenError):
+            state.fork().advance(token)
+    bitmask = np.zeros((3, masker._bitmask_shape[1]), dtype=np.int32)
+    masker.fill_next_token_bitmasks([state, state.fork(), state.fork()], bitmask, [0, 1, 2])
+    for row in range(3):
+        bits = np.unpackbits(bitmask[row].view(np.uint8), count=masker.vocab_size,
+                             bitorder="little").astype(bool)
+        np.testing.assert_array_equal(bits, mask)
+    # what XGrammar allows otherwise is untouched: escapes, text, the closing quote
+    refused = np.zeros(masker.vocab_size, dtype=bool)
+    refused[sorted(masker._string_guard.refused[state._lex])] = True
+    assert refused[controls].all()
+    text = np.zeros(masker.vocab_size, dtype=bool)
+    text[:masker.tokenizer_size] = True
+    text[sorted(masker._special_ids | masker.eos_token_ids)] = False
+    np.testing.assert_array_equal(mask[text], (upstream & ~refused)[text])
+    assert mask[text].sum() > 100  # plenty of string content left
+    outside = masker.new_state()
+    for token in tokenizer.encode('{', add_special_tokens=False):
+        outside.advance(token)
+    newline = [t for t in controls if vocab[t] == b"\n"]
+    assert not newline or outside.allowed_mask()[newline].all()  # whitespace between tokens
+
+
+def allowed_by_matcher(matcher, vocab_size: int) -> np.ndarray:
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return np.unpackbits(bitmask.numpy()[0].view(np.uint8), count=vocab_size,
+                         bitorder="little").astype(bool)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "XGrammar 0.2.9 upstream bug: a JSON-schema string admits raw control characters "
+    "(U+0000-U+001F), which RFC 8259 forbids unescaped. Repro: "
+    "GrammarMatcher(compile_json_schema(person.json)).accept_string('{\"name\":\"') then "
+    "accept_string('\\x00') returns True. shim-xgrammar refuses them (json_strings.py); "
+    "when this passes, that guard can go"))
+def test_upstream_xgrammar_refuses_raw_control_characters_in_schema_strings(compile_grammar):
+    import xgrammar as xgr
+
+    masker = compile_grammar(load_grammar(PERSON))
+    raw = xgr.GrammarMatcher(masker.compiled)
+    assert raw.accept_string('{"name":"')
+    assert not raw.accept_string("\x00")

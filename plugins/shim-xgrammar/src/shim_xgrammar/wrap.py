@@ -27,8 +27,8 @@ import torch
 from shim_adapters.bitmask import numpy_first_empty_row
 from shim_adapters.errors import DeadEndError
 from shim_adapters.grammar import Grammar
-from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, bind_controller,
-                                controller_manifest, grammar_of_manifest)
+from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, _first_time,
+                                bind_controller, controller_manifest, grammar_of_manifest)
 
 from .masker import XGrammarMasker, XGrammarState, _numpy_view
 
@@ -98,7 +98,7 @@ class ShimXGrammarProcessor(ShimWrapper):
     _copied = None  # a bitmask that already holds XGrammar's rows of this call (see _fill_raw)
     _theirs_of = None  # XGrammar's bitmask tensor, and its numpy view
     _theirs = None
-    _extra = None  # (batch, fix-up words) int32: XGrammar's bits the masker forbids, or None
+    _extra = None  # (rows, token ids) XGrammar allowed and the masker forbids, or None
 
     def fill_bitmask(self) -> torch.Tensor:
         """XGrammar's own bitmask of this call, read in place (no copy, no second fill): the
@@ -145,16 +145,30 @@ class ShimXGrammarProcessor(ShimWrapper):
                 extra[[row for row, state in enumerate(states) if state.is_finished]] = 0
             if not extra.any():
                 extra = None
-        self._extra = extra
+        pairs = [] if extra is None else [_set_bits(extra, masker._fix_words)]
+        guard = masker._string_guard
+        if guard is not None:  # JSON schemas: raw control bytes XGrammar lets into strings
+            by_lex: dict[int, list[int]] = {}
+            for row in live:
+                by_lex.setdefault(states[row]._lex, []).append(row)
+            for lex, rows in by_lex.items():
+                index, keep = guard.clear[lex]
+                if len(index):
+                    hit = words[np.ix_(rows, index)] & ~keep
+                    if hit.any():
+                        local, ids = _set_bits(hit, index)
+                        pairs.append((np.asarray(rows)[local], ids))
+        self._extra = None if not pairs else (np.concatenate([p[0] for p in pairs]),
+                                              np.concatenate([p[1] for p in pairs]))
         if len(live) == len(states):
             empty = numpy_first_empty_row(words, masker.vocab_size)
         else:
             empty = next((row for row in live if numpy_first_empty_row(
                 words[row:row + 1], masker.vocab_size) is not None), None)
-        if empty is None and extra is not None:  # rows whose only tokens are the extra bits
-            for row in np.flatnonzero(extra.any(axis=1)).tolist():
-                kept = words[row:row + 1].copy()
-                kept[0, masker._fix_words] &= ~extra[row]
+        if empty is None and self._extra is not None:  # rows left with the extra bits only
+            rows, ids = self._extra
+            for row in np.unique(rows).tolist():
+                kept = _without(words[row:row + 1], ids[rows == row])
                 if numpy_first_empty_row(kept, masker.vocab_size) is not None:
                     empty = row
                     break
@@ -182,19 +196,11 @@ class ShimXGrammarProcessor(ShimWrapper):
                 kept = scores[rows, eos]
                 scores[rows] = float("-inf")
                 scores[rows, eos] = kept
-        extra = self._extra
-        if extra is not None:
-            rows, ids = self._extra_ids(extra)
+        if self._extra is not None:
+            rows, ids = self._extra
             keep = ids < scores.shape[-1]
             scores[torch.from_numpy(rows[keep]).to(scores.device),
                    torch.from_numpy(ids[keep]).to(scores.device)] = float("-inf")
-
-    def _extra_ids(self, extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, token ids) of the set bits of ``extra`` (fix-up words)."""
-        bits = np.unpackbits(np.ascontiguousarray(extra).view(np.uint8), axis=1,
-                             bitorder="little").astype(bool)
-        rows, cols = np.nonzero(bits)
-        return rows, self.masker._fix_words[cols // 32] * 32 + cols % 32
 
     def _consume(self, row: int, state: BorrowedMatcherState, token_id: int) -> None:
         state.record(token_id)
@@ -211,13 +217,17 @@ class ShimXGrammarProcessor(ShimWrapper):
         :meth:`fill_bitmask`): control tokens are masked with one warning, padding silently;
         anything else (EOS where XGrammar and the matcher's completion disagree) takes the
         whole-logits check, which refuses it."""
-        extra = self._extra
-        if extra is None:
+        if self._extra is None:
             return
         masker = self.masker
-        _, ids = self._extra_ids(extra)
-        special = masker._special_ids
-        if all(t >= masker.tokenizer_size or int(t) in special for t in ids.tolist()):
+        rows, ids = self._extra
+        special, guard = masker._special_ids, masker._string_guard
+        in_string = [] if guard is None else [
+            int(t) for r, t in zip(rows.tolist(), ids.tolist())
+            if t in guard.refused[self.states[r]._lex]]
+        known = set(in_string) | {int(t) for t in ids.tolist()
+                                  if t >= masker.tokenizer_size or t in special}
+        if len(known) == len(set(ids.tolist())):
             new = [t for t in sorted(set(int(t) for t in ids if int(t) in special))
                    if t not in self._warned_special]
             if new:
@@ -227,12 +237,46 @@ class ShimXGrammarProcessor(ShimWrapper):
                     f"the wrapped xgrammar processor allows control token(s) {shown} inside "
                     f"the output; they are masked (control tokens are never emitted as text)",
                     ShimWarning, stacklevel=3)
+            new = _first_time(self.__dict__.setdefault("_warned_in_string", set()),
+                              sorted(set(in_string)))
+            if new:
+                shown = ", ".join(f"{t} ({masker.token_text(t)!r})" for t in new[:8])
+                warnings.warn(
+                    f"the wrapped xgrammar processor allows {len(new)} token(s) that put a raw "
+                    f"control character inside a JSON string ({shown}"
+                    f"{', ...' if len(new) > 8 else ''}), which JSON forbids (an XGrammar "
+                    f"{masker.backend_version} bug, docs/upstream-reports.md); they are masked",
+                    ShimWarning, stacklevel=3)
             return
-        # a disagreement beyond control tokens: the generic check names and refuses it
-        ours = np.array(self._theirs, copy=True)
-        ours[:, masker._fix_words] &= ~extra
+        # a disagreement beyond these: the generic check names and refuses it
+        ours = _without(self._theirs, ids, rows)
         super()._agree(torch.from_numpy(ours), scores,
                        torch.zeros_like(scores, dtype=torch.bool))
+
+
+def _set_bits(words: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, token ids) of the set bits of ``words`` (n, k), whose column j is bitmask word
+    ``index[j]``."""
+    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1,
+                         bitorder="little").astype(bool)
+    rows, cols = np.nonzero(bits)
+    return rows, index[cols // 32] * 32 + cols % 32
+
+
+def _without(words: np.ndarray, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """A copy of the packed ``words`` with the bits of ``ids`` cleared (in ``rows[i]`` for
+    ``ids[i]``; every row when ``rows`` is None)."""
+    out = np.array(words, copy=True)
+    view = out.view(np.uint32)
+    ids = np.asarray(ids, dtype=np.int64)
+    bits = (np.uint32(1) << (ids % 32).astype(np.uint32))
+    if rows is None:
+        for w, b in zip((ids // 32).tolist(), bits.tolist()):
+            view[:, w] &= ~np.uint32(b)
+    else:
+        for r, w, b in zip(np.asarray(rows).tolist(), (ids // 32).tolist(), bits.tolist()):
+            view[r, w] &= ~np.uint32(b)
+    return out
 
 
 def _numpy_of(scores: torch.Tensor) -> np.ndarray | None:
