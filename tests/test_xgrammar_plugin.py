@@ -498,12 +498,13 @@ def test_key_trie_is_bounded(compile_grammar):
         trie.max_nodes = bound
 
 
-# ---- raw control characters inside JSON-schema strings (shim_xgrammar.json_strings) ----------
+# ---- text XGrammar admits wrongly (shim_xgrammar.byte_guards) -------------------------------
 PERSON = Path(__file__).resolve().parents[1] / "conformance" / "grammars" / "person.json"
 
 
 def test_json_string_lexer_follows_quotes_escapes_and_refuses_raw_controls():
-    from shim_xgrammar.json_strings import ESCAPED, IN_STRING, OUTSIDE, REFUSED, scan
+    from shim_xgrammar.byte_guards import ESCAPED, IN_STRING, OUTSIDE, REFUSED
+    from shim_xgrammar.byte_guards import scan_json as scan
 
     assert scan(b'{"a', OUTSIDE) == IN_STRING
     assert scan(b'b", "', IN_STRING) == IN_STRING  # closes, then opens the next string
@@ -545,7 +546,8 @@ def test_schema_strings_refuse_raw_control_characters_that_xgrammar_allows(compi
         np.testing.assert_array_equal(bits, mask)
     # what XGrammar allows otherwise is untouched: escapes, text, the closing quote
     refused = np.zeros(masker.vocab_size, dtype=bool)
-    refused[sorted(masker._string_guard.refused[state._lex])] = True
+    for guard, at in zip(masker._guards, state._guard_states):
+        refused[sorted(guard.refused[at])] = True
     assert refused[controls].all()
     text = np.zeros(masker.vocab_size, dtype=bool)
     text[:masker.tokenizer_size] = True
@@ -572,7 +574,7 @@ def allowed_by_matcher(matcher, vocab_size: int) -> np.ndarray:
     "XGrammar 0.2.9 upstream bug: a JSON-schema string admits raw control characters "
     "(U+0000-U+001F), which RFC 8259 forbids unescaped. Repro: "
     "GrammarMatcher(compile_json_schema(person.json)).accept_string('{\"name\":\"') then "
-    "accept_string('\\x00') returns True. shim-xgrammar refuses them (json_strings.py); "
+    "accept_string('\\x00') returns True. shim-xgrammar refuses them (byte_guards.py); "
     "when this passes, that guard can go"))
 def test_upstream_xgrammar_refuses_raw_control_characters_in_schema_strings(compile_grammar):
     import xgrammar as xgr
@@ -581,3 +583,55 @@ def test_upstream_xgrammar_refuses_raw_control_characters_in_schema_strings(comp
     raw = xgr.GrammarMatcher(masker.compiled)
     assert raw.accept_string('{"name":"')
     assert not raw.accept_string("\x00")
+
+
+def _cl100k_json():
+    from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width
+
+    tok = load_offline_tokenizer("cl100k")
+    masker = get_backend("xgrammar").compile(builtin_grammar("json"), tok,
+                                             offline_logits_width("cl100k"))
+    byte_token = {}
+    for token_id, data in enumerate(masker.decoded_vocab[:masker.tokenizer_size]):
+        if len(data) == 1:
+            byte_token.setdefault(data[0], token_id)
+    return tok, masker, byte_token
+
+
+def test_surrogate_bytes_are_refused_after_a_lone_ed_lead():
+    """After '"' and the byte token \\xed, UTF-8 allows only \\x80-\\x9f next (\\xa0-\\xbf
+    would encode U+D800-U+DFFF). Found by the conformance matrix on cl100k x json (tokens
+    58821, 62085 then 28857 b'\\xb6\\x88')."""
+    tok, masker, byte_token = _cl100k_json()
+    state = masker.new_state()
+    for token in tok.encode('"', add_special_tokens=False) + [byte_token[0xED]]:
+        state.advance(token)
+    mask = state.allowed_mask()
+    assert mask[byte_token[0x80]] and mask[byte_token[0x9F]]
+    assert not mask[byte_token[0xA0]] and not mask[byte_token[0xBF]]
+    with pytest.raises(ForbiddenTokenError):
+        state.fork().advance(byte_token[0xB6])
+    # the conformance repro: a multi-byte token ending in \xed, then b'\xb6\x88'
+    repro = masker.new_state()
+    for token in (58821, 62085):
+        repro.advance(token)
+    assert not repro.allowed_mask()[28857]
+    bitmask = np.zeros((1, masker._bitmask_shape[1]), dtype=np.int32)
+    masker.fill_next_token_bitmasks([repro], bitmask, [0])
+    assert not (int(bitmask[0, 28857 // 32]) >> (28857 % 32)) & 1
+    state.fork().advance(byte_token[0x80])  # a valid continuation still goes through
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "XGrammar 0.2.9 upstream bug: after a lone \\xed lead byte inside a JSON string it allows "
+    "\\xa0-\\xbf (UTF-16 surrogates, invalid UTF-8). Repro (cl100k, built-in json): accept "
+    "tokens 58821 ('\"]:') and 62085 (' \\xec\\x8b\\xa4\\xed'); token 28857 (b'\\xb6\\x88') "
+    "is then allowed. shim-xgrammar refuses it (byte_guards.py); when this passes, that "
+    "guard can go"))
+def test_upstream_xgrammar_refuses_utf16_surrogates():
+    import xgrammar as xgr
+
+    _, masker, _ = _cl100k_json()
+    raw = xgr.GrammarMatcher(masker.compiled)
+    assert raw.accept_token(58821) and raw.accept_token(62085)
+    assert not allowed_by_matcher(raw, masker.vocab_size)[28857]

@@ -370,7 +370,7 @@ WORKED_AROUND: tuple[KnownBug, ...] = (
         check="soundness", kinds=("unsound_token",),
         summary="XGrammar's JSON-schema strings admit raw control characters (U+0000-U+001F), "
                 "which RFC 8259 forbids unescaped; shim-xgrammar refuses them since issue 13 "
-                "(shim_xgrammar.json_strings)",
+                "(shim_xgrammar.byte_guards)",
         repro="schema conformance/grammars/person.json, GPT-2: after '{\"name\":\"/' the "
               "tokens '\\x1f' (219) and '\\t' (197) are allowed",
         matches=lambda r, g: _is_schema_repro(r) and _inside_json_string(r.prefix_text)

@@ -41,7 +41,7 @@ from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeat
 from shim_adapters.tokenizer_identity import TokenizerIdentity
 
 from .internal_state import START_POSITION_MODES, InternalState, parse_internal_state
-from .json_strings import OUTSIDE, REFUSED, JsonStringGuard
+from .byte_guards import REFUSED, ByteGuard, json_string_guard, surrogate_guard
 
 GRAMMAR_FORMATS = ("ebnf", "json_schema", "regex", "lark")
 #: What this backend provides when XGrammar's debug dump is in the known format.
@@ -200,9 +200,9 @@ class XGrammarMasker(Masker):
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self._bitmask_shape = xgr.get_bitmask_shape(1, self.vocab_size)
         self._prepare_fixup()
-        #: JSON schemas: the tokens XGrammar wrongly allows inside strings (json_strings.py)
-        self._string_guard = (_string_guard_for(self) if grammar.format == "json_schema"
-                              else None)
+        #: where XGrammar's mask admits invalid text (byte_guards.py): UTF-8 surrogates
+        #: always, raw control characters in strings for JSON schemas
+        self._guards = _guards_for(self)
         #: rule_id -> rule name, read from the compiled grammar's printed form (ids follow it).
         self.rule_names: tuple[str, ...] = tuple(
             line.split(" ::= ", 1)[0] for line in str(self.compiled.grammar).splitlines()
@@ -329,24 +329,24 @@ class XGrammarMasker(Masker):
         for row in completed:
             for w, bits in eos_words:
                 words[row, w] |= bits
-        guard = self._string_guard
-        if guard is not None:
+        for g, guard in enumerate(self._guards):
             for row, state in live:
-                index, keep = guard.clear[state._lex]
-                words[row, index] &= keep
+                index, keep = guard.clear[state._guard_states[g]]
+                if len(index):
+                    words[row, index] &= keep
 
     def advance_states(self, states, token_ids) -> None:
         """``advance`` of each row, inlined for this masker's plain states (a batch's step is
         per-row Python overhead around XGrammar's accept). XGrammar's ``batch_accept_token``
         measured slower than this loop at batch 16 (38 vs 23 µs), so it is not used."""
-        size, special, guard = self.tokenizer_size, self._special_ids, self._string_guard
+        size, special = self.tokenizer_size, self._special_ids
         for state, token_id in zip(states, token_ids):
             token_id = int(token_id)
             if type(state) is not XGrammarState or state.masker is not self:
                 state.advance(token_id)
                 continue
             if (state._finished or not 0 <= token_id < size or token_id in special
-                    or guard is not None and guard.step(state._lex, token_id) == REFUSED
+                    or state._guards_refuse(token_id)
                     or not state._matcher.accept_token(token_id)):
                 raise state._forbidden(token_id)
             state._note_accepted(token_id)
@@ -452,22 +452,30 @@ class _TrieNode:
         self.next: dict[int, "_TrieNode"] | None = None
 
 
-_GUARDS: dict[int, JsonStringGuard] = {}  # by id(compiler): one per tokenizer, width, stops
+#: (id(compiler), kind) -> guard: one per tokenizer, width and stop ids
+_GUARDS: dict[tuple[int, str], ByteGuard] = {}
 
 
-def _string_guard_for(masker: "XGrammarMasker") -> JsonStringGuard:
-    """The masker's tokenizer's guard, built once per compiler (tokenizer, width, stop ids)."""
-    guard = _GUARDS.get(id(masker.compiler))
-    if guard is None:
-        vocab = masker.decoded_vocab[:masker.tokenizer_size]
-        skip = set(masker._special_ids) | set(masker.eos_token_ids)
-        guard = JsonStringGuard(vocab, masker._bitmask_shape[1], skip)
-        with _COMPILERS_LOCK:
-            live = {id(c) for c in _COMPILERS.values()}
-            for stale in [k for k in _GUARDS if k not in live]:
-                del _GUARDS[stale]
-            _GUARDS[id(masker.compiler)] = guard
-    return guard
+def _guards_for(masker: "XGrammarMasker") -> tuple[ByteGuard, ...]:
+    """The masker's guards, each built once per compiler (tokenizer, width, stop ids)."""
+    kinds = [("surrogates", surrogate_guard)]
+    if masker.grammar.format == "json_schema":
+        kinds.append(("json-strings", json_string_guard))
+    out = []
+    for kind, build in kinds:
+        key = (id(masker.compiler), kind)
+        guard = _GUARDS.get(key)
+        if guard is None:
+            vocab = masker.decoded_vocab[:masker.tokenizer_size]
+            skip = set(masker._special_ids) | set(masker.eos_token_ids)
+            guard = build(vocab, masker._bitmask_shape[1], skip)
+            with _COMPILERS_LOCK:
+                live = {id(c) for c in _COMPILERS.values()}
+                for stale in [k for k in _GUARDS if k[0] not in live]:
+                    del _GUARDS[stale]
+                _GUARDS[key] = guard
+        out.append(guard)
+    return tuple(out)
 
 
 #: Fix-ups word by word when at most this many words and rows (else slice ops).
@@ -543,7 +551,7 @@ def _numpy_view(bitmask) -> np.ndarray:
 
 class XGrammarState(MaskerState):
     def __init__(self, masker: XGrammarMasker, matcher, token_ids: list[int], finished: bool,
-                 node: _TrieNode | None = None, lex: int = OUTSIDE):
+                 node: _TrieNode | None = None, guard_states: Sequence[int] | None = None):
         self.masker = masker
         self._matcher = matcher
         self._token_ids = token_ids
@@ -553,8 +561,9 @@ class XGrammarState(MaskerState):
         trie = masker._trie
         self._node = node if node is not None else (
             trie.root if trie is not None and not token_ids else None)
-        #: where the output is for the JSON-string guard (json_strings.py; schemas only)
-        self._lex = lex
+        #: each of the masker's byte guards' state (byte_guards.py)
+        self._guard_states = list(guard_states) if guard_states is not None else [
+            guard.start for guard in masker._guards]
 
     # ---- mask ------------------------------------------------------------------------------
     def _fill(self) -> np.ndarray:
@@ -572,8 +581,8 @@ class XGrammarState(MaskerState):
         # EOS: where XGrammar allows it and the matcher completes (as the bitmask fills)
         mask[masker._eos_array] = bool(mask[masker._eos_array].any()) and \
             self._matcher.is_completed()
-        if masker._string_guard is not None:
-            refused = masker._string_guard.refused[self._lex]
+        for guard, state in zip(masker._guards, self._guard_states):
+            refused = guard.refused[state]
             if refused:
                 mask[sorted(refused)] = False
         return mask
@@ -596,10 +605,10 @@ class XGrammarState(MaskerState):
         if eos_allowed and self._matcher.is_completed():
             for w, bits in masker._eos_words:
                 words[w] |= bits
-        guard = masker._string_guard
-        if guard is not None:
-            index, keep = guard.clear[self._lex]
-            words[index] &= keep
+        for guard, state in zip(masker._guards, self._guard_states):
+            index, keep = guard.clear[state]
+            if len(index):
+                words[index] &= keep
 
     def _fill_raw(self, bitmask, row: int) -> None:
         """XGrammar's mask for this row, before the fix-ups."""
@@ -653,23 +662,26 @@ class XGrammarState(MaskerState):
     # ---- transitions -----------------------------------------------------------------------
     def advance(self, token_id: int) -> None:
         token_id = int(token_id)
-        guard = self.masker._string_guard
         if (self._finished or not 0 <= token_id < self.masker.tokenizer_size
                 or token_id in self.masker._special_ids
-                or guard is not None and guard.step(self._lex, token_id) == REFUSED
+                or self._guards_refuse(token_id)
                 or not self._matcher.accept_token(token_id)):
             raise self._forbidden(token_id)
         self._note_accepted(token_id)
 
+    def _guards_refuse(self, token_id: int) -> bool:
+        return any(guard.step(state, token_id) == REFUSED
+                   for guard, state in zip(self.masker._guards, self._guard_states))
+
     def _note_accepted(self, token_id: int) -> None:
         """Bookkeeping after the matcher accepted ``token_id``: history, key trie, EOS, the
-        JSON-string guard's lexer state."""
-        guard = self.masker._string_guard
-        if guard is not None:
-            lex = guard.step(self._lex, token_id)
-            if lex == REFUSED:  # only a matcher advanced elsewhere gets here (a wrapper's)
+        byte guards' states."""
+        states = self._guard_states
+        for g, guard in enumerate(self.masker._guards):
+            after = guard.step(states[g], token_id)
+            if after == REFUSED:  # only a matcher advanced elsewhere gets here (a wrapper's)
                 raise self._forbidden(token_id)
-            self._lex = lex
+            states[g] = after
         self._token_ids.append(token_id)
         node = self._node
         if node is not None:
@@ -680,7 +692,7 @@ class XGrammarState(MaskerState):
 
     def fork(self) -> "XGrammarState":
         return XGrammarState(self.masker, self._matcher.fork(), list(self._token_ids),
-                             self._finished, self._node, self._lex)
+                             self._finished, self._node, self._guard_states)
 
     @property
     def token_ids(self) -> Sequence[int]:

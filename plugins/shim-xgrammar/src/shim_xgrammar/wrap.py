@@ -146,13 +146,12 @@ class ShimXGrammarProcessor(ShimWrapper):
             if not extra.any():
                 extra = None
         pairs = [] if extra is None else [_set_bits(extra, masker._fix_words)]
-        guard = masker._string_guard
-        if guard is not None:  # JSON schemas: raw control bytes XGrammar lets into strings
-            by_lex: dict[int, list[int]] = {}
+        for g, guard in enumerate(masker._guards):  # text XGrammar admits wrongly
+            by_state: dict[int, list[int]] = {}
             for row in live:
-                by_lex.setdefault(states[row]._lex, []).append(row)
-            for lex, rows in by_lex.items():
-                index, keep = guard.clear[lex]
+                by_state.setdefault(states[row]._guard_states[g], []).append(row)
+            for state, rows in by_state.items():
+                index, keep = guard.clear[state]
                 if len(index):
                     hit = words[np.ix_(rows, index)] & ~keep
                     if hit.any():
@@ -221,12 +220,14 @@ class ShimXGrammarProcessor(ShimWrapper):
             return
         masker = self.masker
         rows, ids = self._extra
-        special, guard = masker._special_ids, masker._string_guard
-        in_string = [] if guard is None else [
-            int(t) for r, t in zip(rows.tolist(), ids.tolist())
-            if t in guard.refused[self.states[r]._lex]]
-        known = set(in_string) | {int(t) for t in ids.tolist()
-                                  if t >= masker.tokenizer_size or t in special}
+        special = masker._special_ids
+        guarded: dict[int, list[int]] = {}  # guard -> the tokens it refuses here
+        for r, t in zip(rows.tolist(), ids.tolist()):
+            for g, guard in enumerate(masker._guards):
+                if t in guard.refused[self.states[r]._guard_states[g]]:
+                    guarded.setdefault(g, []).append(t)
+        known = {t for refused in guarded.values() for t in refused} | {
+            int(t) for t in ids.tolist() if t >= masker.tokenizer_size or t in special}
         if len(known) == len(set(ids.tolist())):
             new = [t for t in sorted(set(int(t) for t in ids if int(t) in special))
                    if t not in self._warned_special]
@@ -237,16 +238,17 @@ class ShimXGrammarProcessor(ShimWrapper):
                     f"the wrapped xgrammar processor allows control token(s) {shown} inside "
                     f"the output; they are masked (control tokens are never emitted as text)",
                     ShimWarning, stacklevel=3)
-            new = _first_time(self.__dict__.setdefault("_warned_in_string", set()),
-                              sorted(set(in_string)))
-            if new:
-                shown = ", ".join(f"{t} ({masker.token_text(t)!r})" for t in new[:8])
-                warnings.warn(
-                    f"the wrapped xgrammar processor allows {len(new)} token(s) that put a raw "
-                    f"control character inside a JSON string ({shown}"
-                    f"{', ...' if len(new) > 8 else ''}), which JSON forbids (an XGrammar "
-                    f"{masker.backend_version} bug, docs/upstream-reports.md); they are masked",
-                    ShimWarning, stacklevel=3)
+            warned = self.__dict__.setdefault("_warned_guarded", {})
+            for g, refused in guarded.items():
+                guard = masker._guards[g]
+                new = _first_time(warned.setdefault(g, set()), sorted(set(refused)))
+                if new:
+                    shown = ", ".join(f"{t} ({masker.token_text(t)!r})" for t in new[:8])
+                    warnings.warn(
+                        f"the wrapped xgrammar processor allows {len(new)} token(s) that "
+                        f"{guard.why} ({shown}{', ...' if len(new) > 8 else ''}): an XGrammar "
+                        f"{masker.backend_version} bug (docs/upstream-reports.md); they are "
+                        f"masked", ShimWarning, stacklevel=3)
             return
         # a disagreement beyond these: the generic check names and refuses it
         ours = _without(self._theirs, ids, rows)
