@@ -345,11 +345,11 @@ class XGrammarMasker(Masker):
             if type(state) is not XGrammarState or state.masker is not self:
                 state.advance(token_id)
                 continue
+            after = state._guards_after(token_id)
             if (state._finished or not 0 <= token_id < size or token_id in special
-                    or state._guards_refuse(token_id)
-                    or not state._matcher.accept_token(token_id)):
+                    or after is None or not state._matcher.accept_token(token_id)):
                 raise state._forbidden(token_id)
-            state._note_accepted(token_id)
+            state._note_accepted(token_id, after)
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """XGrammar's own kernel (CPU and CUDA)."""
@@ -662,26 +662,31 @@ class XGrammarState(MaskerState):
     # ---- transitions -----------------------------------------------------------------------
     def advance(self, token_id: int) -> None:
         token_id = int(token_id)
+        after = self._guards_after(token_id)
         if (self._finished or not 0 <= token_id < self.masker.tokenizer_size
-                or token_id in self.masker._special_ids
-                or self._guards_refuse(token_id)
+                or token_id in self.masker._special_ids or after is None
                 or not self._matcher.accept_token(token_id)):
             raise self._forbidden(token_id)
-        self._note_accepted(token_id)
+        self._note_accepted(token_id, after)
 
-    def _guards_refuse(self, token_id: int) -> bool:
-        return any(guard.step(state, token_id) == REFUSED
-                   for guard, state in zip(self.masker._guards, self._guard_states))
+    def _guards_after(self, token_id: int) -> list[int] | None:
+        """The byte guards' states after ``token_id``; None if one of them refuses it."""
+        after = []
+        for guard, state in zip(self.masker._guards, self._guard_states):
+            nxt = guard.next[state].get(token_id, guard.default[state])
+            if nxt == REFUSED:
+                return None
+            after.append(nxt)
+        return after
 
-    def _note_accepted(self, token_id: int) -> None:
+    def _note_accepted(self, token_id: int, guard_states: list[int] | None = None) -> None:
         """Bookkeeping after the matcher accepted ``token_id``: history, key trie, EOS, the
-        byte guards' states."""
-        states = self._guard_states
-        for g, guard in enumerate(self.masker._guards):
-            after = guard.step(states[g], token_id)
-            if after == REFUSED:  # only a matcher advanced elsewhere gets here (a wrapper's)
+        byte guards' states (computed here unless given)."""
+        if guard_states is None:
+            guard_states = self._guards_after(token_id)
+            if guard_states is None:  # only a matcher advanced elsewhere (a wrapper's) gets here
                 raise self._forbidden(token_id)
-            states[g] = after
+        self._guard_states = guard_states
         self._token_ids.append(token_id)
         node = self._node
         if node is not None:
