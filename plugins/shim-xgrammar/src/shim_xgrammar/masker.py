@@ -203,6 +203,11 @@ class XGrammarMasker(Masker):
         #: where XGrammar's mask admits invalid text (byte_guards.py): UTF-8 surrogates
         #: always, raw control characters in strings for JSON schemas
         self._guards = _guards_for(self)
+        #: the guards' start states (one shared list: a state there holds this very object),
+        #: the tokens that move any guard from it, and whether it refuses anything already
+        self._guard_start = [guard.start for guard in self._guards]
+        self._guard_movers = frozenset().union(*(g.next[g.start] for g in self._guards))
+        self._guard_start_clears = any(len(g.clear[g.start][0]) for g in self._guards)
         #: rule_id -> rule name, read from the compiled grammar's printed form (ids follow it).
         self.rule_names: tuple[str, ...] = tuple(
             line.split(" ::= ", 1)[0] for line in str(self.compiled.grammar).splitlines()
@@ -329,9 +334,13 @@ class XGrammarMasker(Masker):
         for row in completed:
             for w, bits in eos_words:
                 words[row, w] |= bits
-        for g, guard in enumerate(self._guards):
-            for row, state in live:
-                index, keep = guard.clear[state._guard_states[g]]
+        start, guards = self._guard_start, self._guards
+        for row, state in live:
+            at = state._guard_states
+            if at is start and not self._guard_start_clears:
+                continue  # the usual case: no guard refuses anything here
+            for guard, g_state in zip(guards, at):
+                index, keep = guard.clear[g_state]
                 if len(index):
                     words[row, index] &= keep
 
@@ -561,9 +570,9 @@ class XGrammarState(MaskerState):
         trie = masker._trie
         self._node = node if node is not None else (
             trie.root if trie is not None and not token_ids else None)
-        #: each of the masker's byte guards' state (byte_guards.py)
-        self._guard_states = list(guard_states) if guard_states is not None else [
-            guard.start for guard in masker._guards]
+        #: each of the masker's byte guards' state (byte_guards.py); never mutated, replaced
+        #: (the masker's start list itself while every guard is at its start)
+        self._guard_states = masker._guard_start if guard_states is None else guard_states
 
     # ---- mask ------------------------------------------------------------------------------
     def _fill(self) -> np.ndarray:
@@ -671,13 +680,17 @@ class XGrammarState(MaskerState):
 
     def _guards_after(self, token_id: int) -> list[int] | None:
         """The byte guards' states after ``token_id``; None if one of them refuses it."""
+        masker = self.masker
+        start = masker._guard_start
+        if self._guard_states is start and token_id not in masker._guard_movers:
+            return start  # the usual case: every guard stays where it started
         after = []
-        for guard, state in zip(self.masker._guards, self._guard_states):
+        for guard, state in zip(masker._guards, self._guard_states):
             nxt = guard.next[state].get(token_id, guard.default[state])
             if nxt == REFUSED:
                 return None
             after.append(nxt)
-        return after
+        return start if after == start else after
 
     def _note_accepted(self, token_id: int, guard_states: list[int] | None = None) -> None:
         """Bookkeeping after the matcher accepted ``token_id``: history, key trie, EOS, the

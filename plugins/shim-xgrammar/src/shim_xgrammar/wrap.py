@@ -146,7 +146,10 @@ class ShimXGrammarProcessor(ShimWrapper):
             if not extra.any():
                 extra = None
         pairs = [] if extra is None else [_set_bits(extra, masker._fix_words)]
-        for g, guard in enumerate(masker._guards):  # text XGrammar admits wrongly
+        start = masker._guard_start
+        guarded = masker._guard_start_clears or any(
+            states[row]._guard_states is not start for row in live)
+        for g, guard in enumerate(masker._guards if guarded else ()):  # XGrammar's holes
             by_state: dict[int, list[int]] = {}
             for row in live:
                 by_state.setdefault(states[row]._guard_states[g], []).append(row)
