@@ -103,9 +103,10 @@ class ShimXGrammarProcessor(ShimWrapper):
     def fill_bitmask(self) -> torch.Tensor:
         """XGrammar's own bitmask of this call, read in place (no copy, no second fill): the
         masker's mask is XGrammar's with the fix-up words (control tokens, padding, EOS)
-        changed, so only those words are compared, giving ``_extra``, the bits XGrammar
-        allowed that the masker forbids (masked by :meth:`_apply_mask`). Raises DeadEndError
-        for a live row with no token left in the intersection."""
+        changed and the byte guards' tokens cleared (byte_guards.py), so only those are
+        compared, giving ``_extra``, the (row, token) pairs XGrammar allowed that the masker
+        forbids (masked by :meth:`_apply_mask`). Raises DeadEndError for a live row with no
+        token left in the intersection."""
         theirs = self.inner.token_bitmask
         if self._theirs_of is not theirs:
             self._theirs, self._theirs_of = theirs.numpy(), theirs
