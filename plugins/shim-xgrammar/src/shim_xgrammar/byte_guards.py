@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from shim_adapters.bitmask import pack_mask
+
 #: A token the guard refuses in that state.
 REFUSED = -1
 
@@ -73,8 +75,9 @@ class ByteGuard:
         refused = [[t for t, s in table.items() if s == REFUSED] for table in self.next]
         #: state -> (word indices, words to AND them with)
         self.clear = tuple(_clear_words(ids, words) for ids in refused)
-        #: state -> the refused token ids (for messages and allowed_mask)
+        #: state -> the refused token ids (a set for membership, sorted ids for indexing)
         self.refused = tuple(frozenset(ids) for ids in refused)
+        self.refused_ids = tuple(np.array(sorted(ids), dtype=np.int64) for ids in refused)
         assert len(self.next) == len(self.default) == n_states
 
     def step(self, state: int, token_id: int) -> int:
@@ -121,8 +124,9 @@ def surrogate_guard(token_bytes: Sequence[bytes], words: int,
 
 
 def _clear_words(ids: list[int], words: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the bitmask words holding ``ids``, those words with the ids' bits off)."""
     bits = np.zeros(words * 32, dtype=bool)
     bits[np.asarray(ids, dtype=np.int64)] = True
-    packed = np.packbits(bits, bitorder="little").view(np.int32)
+    packed = pack_mask(bits)
     index = np.flatnonzero(packed)
     return index, ~packed[index]

@@ -40,8 +40,8 @@ from shim_adapters.grammar_convert import convert
 from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
 from shim_adapters.tokenizer_identity import TokenizerIdentity
 
-from .internal_state import START_POSITION_MODES, InternalState, parse_internal_state
 from .byte_guards import REFUSED, ByteGuard, json_string_guard, surrogate_guard
+from .internal_state import START_POSITION_MODES, InternalState, parse_internal_state
 
 GRAMMAR_FORMATS = ("ebnf", "json_schema", "regex", "lark")
 #: What this backend provides when XGrammar's debug dump is in the known format.
@@ -281,10 +281,9 @@ class XGrammarMasker(Masker):
         self._eos_word_bits = np.array([b for _, b in self._eos_words], dtype=np.int32)
 
     def fill_next_token_bitmasks(self, states, bitmask, rows) -> None:
-        """XGrammar's fill (one batched call for a batch), then the fix-ups: word by word for
-        a few rows (an item read and write costs a fifth of a slice op), with one slice op
-        per run of words for a batch. EOS stays allowed where XGrammar allowed it and the
-        matcher completes, so ``is_completed`` is asked only on those rows."""
+        """XGrammar's fill (one batched call for a batch), then the fix-ups of
+        :meth:`XGrammarState._fix_up`: row by row for a few rows, with array ops for a
+        batch."""
         words = _numpy_view(bitmask)
         live, batched, batched_rows = [], [], []
         own_fill = XGrammarState._fill_raw
@@ -307,32 +306,25 @@ class XGrammarMasker(Masker):
             self._batch_matcher.batch_fill_next_token_bitmask(batched, bitmask, batched_rows)
         if not live:
             return
-        eos_words = self._eos_words
-        scalars = self._fix_scalars
-        if len(live) <= _ITEM_FIX_ROWS:
-            completed = [row for row, state in live
-                         if any(int(words[row, w]) & bits for w, bits in eos_words)
-                         and state._matcher.is_completed()]
-        else:  # one gather of the EOS words for the batch
-            rows_ = [row for row, _ in live]
-            raw = words[rows_][:, self._eos_word_ids] & self._eos_word_bits
-            completed = [live[i][0] for i in np.flatnonzero(raw.any(axis=1)).tolist()
-                         if live[i][1]._matcher.is_completed()]
-        if scalars is not None and len(live) <= _ITEM_FIX_ROWS:
-            for row, _ in live:
-                for w, keep in scalars:
-                    words[row, w] = int(words[row, w]) & keep
+        if len(live) <= _ITEM_FIX_ROWS:  # a few rows: each row's own fix-up
+            for row, state in live:
+                state._fix_up(words[row])
+            return
+        # a batch: one gather of the EOS words, one slice op per run of fix-up words
+        rows_ = [row for row, _ in live]
+        raw = words[rows_][:, self._eos_word_ids] & self._eos_word_bits
+        completed = [live[i][0] for i in np.flatnonzero(raw.any(axis=1)).tolist()
+                     if live[i][1]._matcher.is_completed()]
+        first, last = live[0][0], live[-1][0] + 1
+        if last - first == len(live):  # consecutive rows
+            for a, b, keep in self._fix_runs:
+                words[first:last, a:b] &= keep
         else:
-            first, last = live[0][0], live[-1][0] + 1
-            if last - first == len(live):  # consecutive rows: one slice op per run of words
+            for row, _ in live:
                 for a, b, keep in self._fix_runs:
-                    words[first:last, a:b] &= keep
-            else:
-                for row, _ in live:
-                    for a, b, keep in self._fix_runs:
-                        words[row, a:b] &= keep
+                    words[row, a:b] &= keep
         for row in completed:
-            for w, bits in eos_words:
+            for w, bits in self._eos_words:
                 words[row, w] |= bits
         start, guards = self._guard_start, self._guards
         for row, state in live:
@@ -591,9 +583,7 @@ class XGrammarState(MaskerState):
         mask[masker._eos_array] = bool(mask[masker._eos_array].any()) and \
             self._matcher.is_completed()
         for guard, state in zip(masker._guards, self._guard_states):
-            refused = guard.refused[state]
-            if refused:
-                mask[sorted(refused)] = False
+            mask[guard.refused_ids[state]] = False
         return mask
 
     def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
@@ -603,6 +593,13 @@ class XGrammarState(MaskerState):
             words[:] = 0
             return
         self._fill_raw(bitmask, row)
+        self._fix_up(words)
+
+    def _fix_up(self, words: np.ndarray) -> None:
+        """The masker's corrections to XGrammar's fill of this state's row ``words``: control
+        tokens and padding cleared (word by word where they are few: an item read and write
+        costs a fifth of a slice op), EOS where XGrammar allowed it and the matcher completes
+        (so ``is_completed`` is asked only there), the byte guards' refusals."""
         masker = self.masker
         eos_allowed = any(int(words[w]) & bits for w, bits in masker._eos_words)
         if masker._fix_scalars is not None:
@@ -614,10 +611,11 @@ class XGrammarState(MaskerState):
         if eos_allowed and self._matcher.is_completed():
             for w, bits in masker._eos_words:
                 words[w] |= bits
-        for guard, state in zip(masker._guards, self._guard_states):
-            index, keep = guard.clear[state]
-            if len(index):
-                words[index] &= keep
+        if self._guard_states is not masker._guard_start or masker._guard_start_clears:
+            for guard, state in zip(masker._guards, self._guard_states):
+                index, keep = guard.clear[state]
+                if len(index):
+                    words[index] &= keep
 
     def _fill_raw(self, bitmask, row: int) -> None:
         """XGrammar's mask for this row, before the fix-ups."""

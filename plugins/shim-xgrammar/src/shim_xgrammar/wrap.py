@@ -30,7 +30,7 @@ from shim_adapters.grammar import Grammar
 from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, _first_time,
                                 bind_controller, controller_manifest, grammar_of_manifest)
 
-from .masker import XGrammarMasker, XGrammarState, _numpy_view
+from .masker import _ITEM_FIX_ROWS, XGrammarMasker, XGrammarState, _numpy_view
 
 
 class BorrowedMatcherState(XGrammarState):
@@ -118,7 +118,7 @@ class ShimXGrammarProcessor(ShimWrapper):
         # agree on every state measured; is_completed is asked only there)
         scalars = masker._fix_scalars
         extra = None
-        if scalars is not None and len(live) <= 4:  # item reads: cheaper than slice ops here
+        if scalars is not None and len(live) <= _ITEM_FIX_ROWS:  # item reads beat slice ops
             eos_bits = masker._fix_eos_by_word
             for row in live:
                 done = (any(int(words[row, w]) & bits for w, bits in masker._eos_words)
