@@ -10,7 +10,8 @@ phases in the same loop on the same states:
 - ``plugin fill+advance``: the same through the plugin (``MaskerState.fill_next_token_bitmask``
   + ``advance``);
 - ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
-  the core's torch bit operations (:func:`shim_adapters.bitmask.apply_token_bitmask_`);
+  the core's (:func:`shim_adapters.bitmask.apply_token_bitmask_`: numpy on CPU, which
+  shim-xgrammar uses there; ``apply_kernel.py`` compares the kernels alone);
 - ``γ hit``: ``ShimAdjuster.add_log_gamma_`` on steps where every row hit the warm γ cache;
   ``γ step``: the same over every timed step (misses included);
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
@@ -91,7 +92,10 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
     bitmask = allocate_token_bitmask(batch, width)
     own_mask = allocate_token_bitmask(batch, width)
     base = torch.randn(batch, width)
-    logits = base.clone()
+    # a spare row: XGrammar's CPU kernel can write one float past a row at widths that are
+    # not a multiple of 32 (GPT-2's; docs/upstream-reports.md)
+    logits = torch.empty((batch + 1) * width)[:batch * width].view(batch, width)
+    logits.copy_(base)
     times = {k: [] for k in ("xgr own", "xgr apply", "core apply", "plugin mask", "γ hit",
                              "γ step", "γ miss", "γ old")}
     hit_info = trie_info = None

@@ -4,7 +4,9 @@ The LM (the shipped one, or ``--lm smollm2``) generates under each processor in 
 interleaved per repeat: the backend's own processor (plain masking: XGrammar's
 ``xgrammar.contrib.hf.LogitsProcessor``, SynCode's ``SyncodeLogitsProcessor``, outlines'
 ``Generator`` processor), the project's ``ShimLogitsProcessor`` over that backend's masker,
-the backend's ``with_shim`` around its own processor, and no processor (the LM's own cost).
+the backend's ``with_shim`` around its own processor, the project's ``MaskedLogitsProcessor``
+over the same masker without γ (masking only: how much of SHIM's ratio is the project's mask
+path rather than γ), and no processor (the LM's own cost).
 Every run follows the same path, sampled once per repeat with the backend's own processor and
 forced after the processor under test (:class:`ForcePath`, the
 same cost in every run), so the runs do identical LM work and differ only in the processor.
@@ -35,7 +37,7 @@ import xgrammar as xgr  # noqa: E402
 
 from shim_adapters.controller import fit_controller  # noqa: E402
 from shim_adapters.correction import ShimLogitsProcessor  # noqa: E402
-from shim_adapters.generation import FAITHFUL_SAMPLING  # noqa: E402
+from shim_adapters.generation import FAITHFUL_SAMPLING, MaskedLogitsProcessor  # noqa: E402
 from shim_adapters.grammar import builtin_grammar  # noqa: E402
 from shim_adapters.lm import load_lm  # noqa: E402
 from shim_adapters.plugins import get_backend  # noqa: E402
@@ -165,8 +167,9 @@ def main() -> None:
     print("| LM | backend | grammar | batch | LM only µs/token | backend's own µs/token | "
           "ShimLogitsProcessor µs/token | ratio | with_shim µs/token | ratio | own processor "
           "µs/token | ShimLogitsProcessor processor µs/token | with_shim processor µs/token | "
-          "ratio (LM + processor) | with_shim ratio (LM + processor) | features |")
-    print("|" + "---|" * 16)
+          "ratio (LM + processor) | with_shim ratio (LM + processor) | masking only processor "
+          "µs/token | masking only ratio (LM + processor) | features |")
+    print("|" + "---|" * 18)
     for backend_name in args.backends.split(","):
         backend = get_backend(backend_name)
         for gname in args.grammars.split(","):
@@ -198,7 +201,8 @@ def main() -> None:
                       f"{best['wrap'] * 1e6:.0f} | {best['wrap'] / x:.3f} | "
                       f"{inside['own'] * 1e6:.1f} | {inside['shim'] * 1e6:.1f} | "
                       f"{inside['wrap'] * 1e6:.1f} | {est['shim'] / est['own']:.3f} | "
-                      f"{est['wrap'] / est['own']:.3f} | {features} |", flush=True)
+                      f"{est['wrap'] / est['own']:.3f} | {inside['mask'] * 1e6:.1f} | "
+                      f"{est['mask'] / est['own']:.3f} | {features} |", flush=True)
     print(f"\nbest of {args.repeats} repeats; {args.max_new_tokens} new tokens; torch threads "
           f"= {torch.get_num_threads()}; γ cache {'warm' if args.warm else 'cold'} on each path")
 
@@ -208,8 +212,9 @@ def measure(args, lm, masker, controller, own, wrap, grammar, batch, eos, clear_
     enc = lm.tokenizer([grammar.default_prompt] * batch, return_tensors="pt")
     prompt_length = enc["input_ids"].shape[1]
     best = {"lm": float("inf"), "own": float("inf"), "shim": float("inf"),
-            "wrap": float("inf")}
-    inside = {"own": float("inf"), "shim": float("inf"), "wrap": float("inf")}
+            "wrap": float("inf"), "mask": float("inf")}
+    inside = {"own": float("inf"), "shim": float("inf"), "wrap": float("inf"),
+              "mask": float("inf")}
     for rep in range(args.repeats):
         # the path: the backend's own processor, sampled (EOS-padded)
         _, path = generate(lm, [own()], enc, args.max_new_tokens, eos, seed=rep)
@@ -218,7 +223,7 @@ def measure(args, lm, masker, controller, own, wrap, grammar, batch, eos, clear_
         # long run would, without handing the timed path its own prefixes
         _, other = generate(lm, [own()], enc, args.max_new_tokens, eos,
                             seed=1000 + rep)
-        for name in ("lm", "own", "shim", "wrap"):
+        for name in ("lm", "own", "mask", "shim", "wrap"):
             if name in ("shim", "wrap"):
                 clear_trie()  # no prefix of the timed path known
                 if args.warm:  # the γ cache warm on states, as in a long run
@@ -228,7 +233,9 @@ def measure(args, lm, masker, controller, own, wrap, grammar, batch, eos, clear_
                              enc, other.shape[1], eos, seed=rep)
             proc = {"lm": lambda: None, "own": own, "wrap": wrap,
                     "shim": lambda: ShimLogitsProcessor(
-                        [masker.new_state() for _ in range(batch)], controller)
+                        [masker.new_state() for _ in range(batch)], controller),
+                    "mask": lambda: MaskedLogitsProcessor(
+                        [masker.new_state() for _ in range(batch)])
                     }[name]()
             force = ForcePath(path, prompt_length, name)
             timed = None if proc is None else Timed(proc)

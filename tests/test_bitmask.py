@@ -38,6 +38,58 @@ def test_pack_apply_round_trip(vocab, batch, seed):
     assert torch.equal(rows_with_any(bitmask, vocab), m.any(dim=1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("vocab,width", [(1088, 1088), (50257, 50257), (40, 70), (33, 33)])
+def test_cpu_kernel_equals_torch_bit_ops_and_xgrammars_kernel(vocab, width, dtype):
+    """The CPU path (numpy unpack of the forbidden bits, one copyto; torch's masked_fill_ for
+    half precision) masks exactly what the torch bit operations and XGrammar's kernel mask."""
+    import xgrammar as xgr
+
+    from shim_adapters.bitmask import bitmask_to_bool
+
+    rng = np.random.default_rng(vocab + width)
+    for density in (0.003, 0.4, 0.97):  # bv4-like, json-like, nearly everything allowed
+        masks = rng.random((3, vocab)) < density
+        bitmask = allocate_token_bitmask(3, vocab)
+        for r in range(3):
+            pack_mask(masks[r], out=bitmask[r].numpy())
+        base = torch.randn(3, width).to(dtype)
+        ours = apply_token_bitmask_(base.clone(), bitmask)
+        covered = min(width, bitmask.shape[1] * 32)
+        reference = base.clone()
+        reference[:, :covered].masked_fill_(~bitmask_to_bool(bitmask, covered), float("-inf"))
+        reference[:, covered:] = float("-inf")
+        assert torch.equal(ours, reference)
+        if dtype == torch.float32 and width == vocab and width % 32 == 0:  # see below
+            theirs = base.clone()
+            xgr.apply_token_bitmask_inplace(theirs, bitmask)
+            assert torch.equal(ours, theirs)
+    graph = torch.zeros(1, 40, requires_grad=True).clone()  # records gradients: torch's path
+    masked = apply_token_bitmask_(graph, torch.from_numpy(pack_mask(np.arange(40) < 5))[None])
+    assert torch.isneginf(masked[0, 5:]).all() and torch.isfinite(masked[0, :5]).all()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "XGrammar 0.2.9 upstream bug: xgrammar.apply_token_bitmask_inplace on CPU writes -inf one "
+    "float past the end of a logits row when the width is not a multiple of 32 (GPT-2's "
+    "50257) and every token of the row's last bitmask word is allowed (DynamicBitset's "
+    "FindNextZero returns the first padding bit): the next row's token 0 is masked and the "
+    "last row writes past the tensor (heap "
+    "corruption, seen as 'corrupted size vs. prev_size' aborts). Repro: logits (2, 33) as a "
+    "view of a larger zero buffer, a bitmask allowing every token; afterwards buffer[33] and "
+    "buffer[66] are -inf. The core's CPU kernel and shim-xgrammar (which uses it on CPU) do "
+    "not call it"))
+@pytest.mark.parametrize("vocab", [33, 50257])
+def test_upstream_xgrammar_cpu_kernel_stays_inside_each_row(vocab):
+    import xgrammar as xgr
+
+    bitmask = torch.from_numpy(np.stack([pack_mask(np.ones(vocab, bool))] * 2))
+    buffer = torch.zeros(3 * vocab)  # the overflow lands in this buffer, not on the heap
+    logits = buffer[:2 * vocab].view(2, vocab)
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    assert not torch.isneginf(buffer).any()
+
+
 def test_columns_past_the_bitmask_are_masked():
     bitmask = allocate_token_bitmask(1, 40)
     logits = torch.zeros(1, 70)

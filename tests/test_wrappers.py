@@ -556,3 +556,39 @@ def test_outlines_regex_wrapper_refuses_a_generator_of_another_regex(lm, regex_s
                                outlines.types.Regex("(00100|11111)"))
     with pytest.raises(ValueError, match="indexes differ"):
         with_shim(other, controller, grammar=grammar)
+
+
+def test_xgrammar_processor_calls_stay_inside_logits_whose_width_is_not_a_multiple_of_32(lm):
+    """with_shim calls XGrammar's processor through call_padded. Where the width is not a
+    multiple of 32 and every token of a row's last bitmask word is allowed, XGrammar's CPU
+    kernel writes one float past the row (the upstream xfail in test_bitmask.py); through the
+    padded buffer nothing outside the logits changes, and the masks are XGrammar's."""
+    import numpy as np
+    import xgrammar as xgr
+    from shim_xgrammar.wrap import call_padded
+
+    from shim_adapters.bitmask import pack_mask
+
+    rows, width = 3, 50257
+    everything = torch.from_numpy(np.stack([pack_mask(np.ones(width, bool))] * rows))
+
+    def kernel_only(input_ids, scores):  # the CPU part of XGrammar's processor call
+        xgr.apply_token_bitmask_inplace(scores, everything)
+        return scores
+
+    buffer = torch.zeros((rows + 1) * width)
+    scores = buffer[:rows * width].view(rows, width)
+    assert call_padded(kernel_only, None, scores) is scores
+    assert not torch.isneginf(buffer).any()  # nothing masked, nothing written past the rows
+    # a real processor at a width that is not a multiple of 32: masked as its bitmask says
+    width = lm.vocab_size + 7
+    info = xgr.TokenizerInfo.from_huggingface(lm.tokenizer, vocab_size=width,
+                                              stop_token_ids=[EOS])
+    processor = xgr.contrib.hf.LogitsProcessor(
+        xgr.GrammarCompiler(info).compile_builtin_json_grammar())
+    scores = torch.zeros(rows, width)
+    call_padded(processor, torch.zeros((rows, 4), dtype=torch.long), scores)
+    allowed = np.unpackbits(processor.token_bitmask.numpy().view(np.uint8), axis=1,
+                            count=width, bitorder="little").astype(bool)
+    assert allowed.any(axis=1).all() and (~allowed).any(axis=1).all()
+    assert np.array_equal(torch.isneginf(scores).numpy(), ~allowed)

@@ -4,8 +4,9 @@ A batch's masks are one int32 tensor of shape ``(batch, ceil(vocab_size / 32))``
 of row ``r`` is allowed when bit ``t % 32`` (least significant first) of word ``t // 32`` is
 set. Bits past ``vocab_size`` are ignored. A state fills its row in place
 (:meth:`~shim_adapters.protocol.MaskerState.fill_next_token_bitmask`), and
-:func:`apply_token_bitmask_` masks a batch of logits with a few vectorised torch bit
-operations, so no per-row bool array or ``.cpu().numpy()`` round trip is on the hot path.
+:func:`apply_token_bitmask_` masks a batch of logits with one vectorised op (numpy on CPU,
+torch bit operations elsewhere), so no per-row bool array or device round trip is on the hot
+path.
 The core imports no backend: a masker may hand in its backend's own kernel instead
 (:meth:`~shim_adapters.protocol.Masker.apply_token_bitmask_`).
 """
@@ -86,19 +87,46 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
 
     ``logits``: (batch, vocab) on any device; ``bitmask``: (batch, words) int32 (moved to the
     logits' device if needed). Columns past the bitmask's ``words * 32`` are masked too.
+    On CPU the forbidden bits are unpacked with numpy (one byte per token) and written with
+    one ``copyto``: measured 2-5x cheaper than XGrammar's CPU kernel on real bv4 and json masks
+    at 1k-152k vocabularies and batch 1-32 (``benchmarks/apply_kernel.py``), and 2-4x cheaper
+    than the torch bit operations used on other devices.
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} must "
                          f"be 2-D with the same number of rows")
     width = logits.shape[1]
-    if bitmask.device != logits.device:
-        bitmask = bitmask.to(logits.device, non_blocking=True)
     covered = min(width, bitmask.shape[1] * BITS_PER_WORD)
-    allowed = bitmask_to_bool(bitmask, covered)
-    logits[:, :covered].masked_fill_(~allowed, float("-inf"))
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu":
+        if bitmask.dtype != torch.int32:
+            raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
+        _apply_on_cpu_(logits, bitmask.numpy(), covered)
+    else:
+        if bitmask.device != logits.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        allowed = bitmask_to_bool(bitmask, covered)
+        logits[:, :covered].masked_fill_(~allowed, float("-inf"))
     if covered < width:
         logits[:, covered:] = float("-inf")
     return logits
+
+
+def forbidden_bools(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """(batch, vocab_size) bool, True where a numpy bitmask's bit is clear (forbidden)."""
+    inverted = np.invert(np.ascontiguousarray(words, dtype=np.int32))
+    return np.unpackbits(inverted.view(np.uint8), axis=1, count=int(vocab_size),
+                         bitorder="little").view(bool)
+
+
+def _apply_on_cpu_(logits: torch.Tensor, words: np.ndarray, covered: int) -> None:
+    forbidden = forbidden_bools(words, covered)
+    view = None
+    if not logits.requires_grad and logits.dtype in (torch.float32, torch.float64):
+        view = logits.numpy()
+    if view is not None:
+        np.copyto(view[:, :covered], -np.inf, where=forbidden)
+    else:  # half precision, or a tensor that records gradients: torch's masked_fill_
+        logits[:, :covered].masked_fill_(torch.from_numpy(forbidden), float("-inf"))
 
 
 def numpy_rows_with_any(words: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -77,7 +77,7 @@ class ShimXGrammarProcessor(ShimWrapper):
 
     def _call_inner(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
                     ) -> torch.FloatTensor:
-        return self.inner(input_ids, scores)
+        return call_padded(self.inner, input_ids, scores)
 
     def _reset_backend(self) -> None:
         from xgrammar.contrib.hf import LogitsProcessor
@@ -260,6 +260,26 @@ class ShimXGrammarProcessor(ShimWrapper):
                        torch.zeros_like(scores, dtype=torch.bool))
 
 
+def call_padded(xgr_processor, input_ids: torch.LongTensor, scores: torch.FloatTensor
+                ) -> torch.FloatTensor:
+    """``xgr_processor(input_ids, scores)``, made memory-safe for CPU logits whose width is not
+    a multiple of 32 (GPT-2's 50257): XGrammar 0.2.9's CPU kernel writes -inf one float past
+    every row there, masking the next row's token 0 and writing past the tensor's end
+    (docs/upstream-reports.md). Such logits go through a buffer padded to the bitmask's width
+    (a multiple of 32, where the kernel stays in bounds) and are copied back; other logits are
+    passed as they are."""
+    width = scores.shape[-1]
+    if scores.device.type != "cpu" or scores.dim() != 2 or width % 32 == 0:
+        return xgr_processor(input_ids, scores)
+    padded_width = (width + 31) // 32 * 32
+    padded = torch.empty((scores.shape[0], padded_width), dtype=scores.dtype)
+    padded[:, :width] = scores
+    padded[:, width:] = float("-inf")
+    result = xgr_processor(input_ids, padded)
+    scores.copy_(result[:, :width])
+    return scores
+
+
 def _set_bits(words: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, token ids) of the set bits of ``words`` (n, k), whose column j is bitmask word
     ``index[j]``."""
@@ -344,4 +364,5 @@ def with_shim(xgr_processor, controller: ControllerLike, *, tokenizer,
     return ShimXGrammarProcessor(xgr_processor, masker, fitted, batch_size=batch_size)
 
 
-__all__: Sequence[str] = ("BorrowedMatcherState", "ShimXGrammarProcessor", "with_shim")
+__all__: Sequence[str] = ("BorrowedMatcherState", "ShimXGrammarProcessor", "call_padded",
+                          "with_shim")
