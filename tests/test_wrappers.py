@@ -558,37 +558,31 @@ def test_outlines_regex_wrapper_refuses_a_generator_of_another_regex(lm, regex_s
         with_shim(other, controller, grammar=grammar)
 
 
-def test_xgrammar_processor_calls_stay_inside_logits_whose_width_is_not_a_multiple_of_32(lm):
-    """with_shim calls XGrammar's processor through call_padded. Where the width is not a
-    multiple of 32 and every token of a row's last bitmask word is allowed, XGrammar's CPU
-    kernel writes one float past the row (the upstream xfail in test_bitmask.py); through the
-    padded buffer nothing outside the logits changes, and the masks are XGrammar's."""
-    import numpy as np
+def test_xgrammar_wrapper_never_hands_xgrammars_kernel_the_logits(lm, monkeypatch):
+    """with_shim lets XGrammar's processor fill its bitmask but masks the logits with the
+    masker's kernel: XGrammar's CPU kernel only ever sees the 32-column stand-in, so its
+    write past a row (the upstream xfail in test_bitmask.py) cannot reach the logits, and the
+    outputs are still in the language."""
     import xgrammar as xgr
-    from shim_xgrammar.wrap import call_padded
 
-    from shim_adapters.bitmask import pack_mask
+    from shim_xgrammar.wrap import with_shim
 
-    rows, width = 3, 50257
-    everything = torch.from_numpy(np.stack([pack_mask(np.ones(width, bool))] * rows))
+    widths = []
+    kernel = xgr.apply_token_bitmask_inplace
 
-    def kernel_only(input_ids, scores):  # the CPU part of XGrammar's processor call
-        xgr.apply_token_bitmask_inplace(scores, everything)
-        return scores
+    def recording_kernel(logits, bitmask, *args, **kwargs):
+        widths.append(logits.shape[-1])
+        return kernel(logits, bitmask, *args, **kwargs)
 
-    buffer = torch.zeros((rows + 1) * width)
-    scores = buffer[:rows * width].view(rows, width)
-    assert call_padded(kernel_only, None, scores) is scores
-    assert not torch.isneginf(buffer).any()  # nothing masked, nothing written past the rows
-    # a real processor at a width that is not a multiple of 32: masked as its bitmask says
-    width = lm.vocab_size + 7
-    info = xgr.TokenizerInfo.from_huggingface(lm.tokenizer, vocab_size=width,
-                                              stop_token_ids=[EOS])
-    processor = xgr.contrib.hf.LogitsProcessor(
-        xgr.GrammarCompiler(info).compile_builtin_json_grammar())
-    scores = torch.zeros(rows, width)
-    call_padded(processor, torch.zeros((rows, 4), dtype=torch.long), scores)
-    allowed = np.unpackbits(processor.token_bitmask.numpy().view(np.uint8), axis=1,
-                            count=width, bitorder="little").astype(bool)
-    assert allowed.any(axis=1).all() and (~allowed).any(axis=1).all()
-    assert np.array_equal(torch.isneginf(scores).numpy(), ~allowed)
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", recording_kernel)
+    _, fitted_controller = fitted(lm, "xgrammar", "json")
+    wrapped = with_shim(xgrammar_processor(lm, "json"), fitted_controller,
+                        tokenizer=lm.tokenizer, batch_size=3)
+    enc = lm.tokenizer([builtin_grammar("json").default_prompt] * 3, return_tensors="pt")
+    torch.manual_seed(0)
+    out = lm.model.generate(**enc, logits_processor=[wrapped], max_new_tokens=24,
+                            eos_token_id=EOS, pad_token_id=EOS, **FAITHFUL_SAMPLING)
+    assert widths and set(widths) == {32}
+    accepts = reference_acceptor(builtin_grammar("json")).accepts
+    texts = [o for o in wrapped.outputs(out) if isinstance(o, str)]
+    assert texts and all(accepts(t) for t in texts)
