@@ -90,6 +90,20 @@ def test_upstream_xgrammar_cpu_kernel_stays_inside_each_row(vocab):
     assert not torch.isneginf(buffer).any()
 
 
+def test_numpy_view_is_the_tensors_memory_and_follows_the_last_two_tensors():
+    from shim_adapters.bitmask import numpy_view
+
+    a, b, c = torch.zeros(2, 3), torch.zeros(4), torch.zeros(1)
+    va, vb = numpy_view(a), numpy_view(b)
+    assert numpy_view(a) is va and numpy_view(b) is vb  # both remembered
+    va[1, 2] = 7.0
+    assert a[1, 2] == 7.0  # the tensor's own memory
+    numpy_view(c)  # a third tensor drops the least recent (a)
+    assert numpy_view(b) is vb and numpy_view(a) is not va
+    with pytest.raises(RuntimeError):
+        numpy_view(torch.zeros(2, requires_grad=True))
+
+
 def test_columns_past_the_bitmask_are_masked():
     bitmask = allocate_token_bitmask(1, 40)
     logits = torch.zeros(1, 70)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .controller import Controller
+from .bitmask import numpy_view
 from .gamma_cache import DEFAULT_MAX_BYTES, shared_gamma_cache
 from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generation
 from .protocol import Masker, MaskerState
@@ -69,7 +70,7 @@ class ShimAdjuster:
         cost of one gather-add over the controller's known tokens instead of a dense add.
         ``exact=True`` adds the constant too (one more dense add)."""
         try:  # numpy on the logits' own memory (CPU, no grad): cheaper than torch here
-            view = scores.numpy()
+            view = numpy_view(scores)  # the mask kernel reuses it
         except (TypeError, RuntimeError):
             view = None
         else:

@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from shim_adapters.bitmask import apply_token_bitmask_
+from shim_adapters.bitmask import apply_token_bitmask_, numpy_view
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError, VocabMismatchError
 from shim_adapters.grammar import Grammar
 from shim_adapters.grammar_convert import convert
@@ -559,15 +559,9 @@ def _shared_trie(identity: tuple) -> _KeyTrie:
         return trie
 
 
-_VIEW: list = [None, None]  # (tensor, its numpy view): the caller reuses one bitmask
-
-
 def _numpy_view(bitmask) -> np.ndarray:
-    if isinstance(bitmask, np.ndarray):
-        return bitmask
-    if _VIEW[0] is not bitmask:
-        _VIEW[0], _VIEW[1] = bitmask, bitmask.numpy()
-    return _VIEW[1]
+    """A bitmask's words as numpy (the caller reuses one bitmask: its view is remembered)."""
+    return bitmask if isinstance(bitmask, np.ndarray) else numpy_view(bitmask)
 
 
 class XGrammarState(MaskerState):
