@@ -8,7 +8,8 @@ Each batch of ``B`` rows is drawn from them and masked by:
   HF processor);
 - ``core``: :func:`shim_adapters.bitmask.apply_token_bitmask_` (numpy: the forbidden bits
   unpacked, one ``copyto``), which shim-xgrammar uses on CPU;
-- ``torch bit ops``: the core's device path (shifts and ``masked_fill_``).
+- ``torch bit ops``: the core's device path, run on CPU
+  (:func:`shim_adapters.bitmask.apply_token_bitmask_torch_`: shifts and ``masked_fill_``).
 
 Every kernel's result is checked equal to the core's. XGrammar's kernel runs on a view of a
 buffer one row longer than the batch: at widths that are not a multiple of 32 it can write one
@@ -34,7 +35,7 @@ torch.set_num_threads(1)
 import xgrammar as xgr  # noqa: E402
 
 from shim_adapters.bitmask import (allocate_token_bitmask, apply_token_bitmask_,  # noqa: E402
-                                   bitmask_to_bool)
+                                   apply_token_bitmask_torch_)
 from shim_adapters.generation import generate_masked  # noqa: E402
 from shim_adapters.grammar import builtin_grammar  # noqa: E402
 from shim_adapters.lm import load_lm  # noqa: E402
@@ -59,11 +60,6 @@ def real_rows(masker, seqs) -> np.ndarray:
             rows.append(bitmask.numpy()[0].copy())
             state.advance(token)
     return np.array(rows)
-
-
-def torch_bit_ops_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    covered = min(logits.shape[1], bitmask.shape[1] * 32)
-    logits[:, :covered].masked_fill_(~bitmask_to_bool(bitmask, covered), float("-inf"))
 
 
 def main() -> None:
@@ -111,7 +107,7 @@ def main() -> None:
                         elif name == "core":
                             apply_token_bitmask_(logits, bitmask)
                         else:
-                            torch_bit_ops_(logits, bitmask)
+                            apply_token_bitmask_torch_(logits, bitmask)
                         times[name].append(time.perf_counter() - t0)
                         if name == "xgrammar":
                             reference = logits.clone()

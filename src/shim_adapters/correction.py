@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .controller import Controller
 from .bitmask import numpy_view
+from .controller import Controller
 from .gamma_cache import DEFAULT_MAX_BYTES, shared_gamma_cache
 from .generation import MaskedGeneration, MaskedLogitsProcessor, masked_generation
 from .protocol import Masker, MaskerState

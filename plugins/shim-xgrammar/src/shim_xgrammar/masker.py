@@ -177,7 +177,7 @@ class XGrammarMasker(Masker):
         self._key_mode = 1 if self._position_free else 0
         #: raw dump -> position-free key: exact dumps recur (bv4: 9 steps in 10), and a
         #: lookup is cheaper than the reduction
-        self._key_memo: dict[str, tuple] = {}
+        self._key_memo: dict[str, str] = {}
         #: token prefix -> feature key, shared by maskers with one fingerprint (see _KeyTrie)
         self._trie: _KeyTrie | None = None
 
@@ -359,8 +359,10 @@ class XGrammarMasker(Masker):
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """XGrammar's own kernel on an accelerator; on CPU the core's numpy kernel, which
-        measured 2-5x cheaper than XGrammar's CPU kernel on real masks
-        (``benchmarks/apply_kernel.py``; both set exactly the same logits to -inf)."""
+        measured 1.1-5.6x cheaper than XGrammar's CPU kernel on real masks
+        (``benchmarks/apply_kernel.py``; both set exactly the same logits to -inf) and stays
+        inside each row (XGrammar 0.2.9's writes past it at some widths:
+        docs/upstream-reports.md)."""
         if logits.device.type == "cpu":
             apply_token_bitmask_(logits, bitmask)
         else:
@@ -402,8 +404,8 @@ class XGrammarMasker(Masker):
         return f"rule{rule_id}"
 
 
-#: What a position-free key leaves out of XGrammar's dump: the step count and start offsets
-#: (captured, to rank them).
+#: What the reference position-free key (:func:`_position_free_key_regex`) leaves out of
+#: XGrammar's dump: the step count and start offsets (captured, to rank them).
 _OFFSETS = re.compile(r"There are \d+ steps|rule_start_pos=(-?\d+)")
 
 
