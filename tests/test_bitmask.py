@@ -236,3 +236,92 @@ def test_out_of_range_token_is_forbidden_not_overflow(shipped_lm, backend, gramm
                                           shipped_lm.vocab_size)
     with pytest.raises(ForbiddenTokenError, match="out-of-range"):
         masker.new_state().advance(bad)
+
+
+@pytest.mark.parametrize("vocab,width", [(1088, 1088), (33, 33), (40, 70), (70_000, 70_000)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_expanded_mask_cache_masks_exactly_the_clear_bits(vocab, width, batch):
+    """The CPU kernel's cached expansions (rows up to 8 KiB) mask what the torch bit
+    operations mask, on the first sight of a row (a miss) and after (a hit); wider rows take
+    the numpy unpack; a non-contiguous bitmask is never read through a byte view."""
+    from shim_adapters.bitmask import apply_token_bitmask_torch_
+    from shim_adapters.mask_expansion import MAX_ROW_BYTES, apply_expanded_, expanded_masks
+
+    rng = np.random.default_rng(vocab * 7 + batch)
+    masks = rng.random((batch, vocab)) < 0.4
+    bitmask = allocate_token_bitmask(batch, vocab)
+    for r in range(batch):
+        pack_mask(masks[r], out=bitmask[r].numpy())
+    cached = 4 * bitmask.shape[1] <= MAX_ROW_BYTES
+    cache = expanded_masks(min(width, bitmask.shape[1] * 32), bitmask.shape[1])
+    for attempt in ("miss", "hit"):
+        before = cache.info()
+        base = torch.randn(batch, width)
+        reference = base.clone()
+        apply_token_bitmask_torch_(reference, bitmask)
+        reference[:, bitmask.shape[1] * 32:] = float("-inf")
+        assert torch.equal(apply_token_bitmask_(base, bitmask), reference), attempt
+        after = cache.info()
+        if cached:
+            grew = "misses" if attempt == "miss" else "hits"
+            assert after[grew] - before[grew] >= 1
+        else:
+            assert after == before
+    strided = allocate_token_bitmask(batch, 2 * vocab).numpy()[:, ::2]
+    assert not apply_expanded_(torch.zeros(batch, vocab), strided, vocab)
+
+
+def test_expanded_mask_cache_starts_over_at_its_memory_bound():
+    from shim_adapters.mask_expansion import ExpandedMasks
+
+    cache = ExpandedMasks(64, 2, max_bytes=3 * (64 + 8 + 200))
+    rows = [np.array([i, -1], dtype=np.int32).tobytes() for i in range(5)]
+    for key in rows:
+        forbidden = cache.forbidden(key)
+        bits = np.unpackbits(np.frombuffer(key, dtype=np.uint8), bitorder="little")
+        assert torch.equal(forbidden, torch.from_numpy(bits == 0))
+    info = cache.info()
+    assert info["entries"] <= 3 and info["bytes"] <= cache.max_bytes and info["resets"] >= 1
+    assert cache.forbidden(rows[-1]) is cache.forbidden(rows[-1])  # the newest is kept
+    with pytest.raises(ValueError, match="8 bytes, got 4"):
+        cache.forbidden(b"\0\0\0\1")
+
+
+@settings(max_examples=200, deadline=None)
+@given(vocab=st.integers(1, 200), batch=st.integers(1, 70), seed=st.integers(0, 10_000))
+def test_empty_row_check_is_numpy_first_empty_row(vocab, batch, seed):
+    """The per-step dead-end check of a preallocated bitmask (bytes compared through a
+    memoryview up to MEMCMP_ROWS rows, one reduction beyond) finds the same row."""
+    from shim_adapters.bitmask import EmptyRowCheck
+
+    rng = np.random.default_rng(seed)
+    words = np.zeros((batch, bitmask_words(vocab)), dtype=np.int32)
+    check = EmptyRowCheck(words, vocab)
+    for _ in range(3):  # the same buffer refilled, as each decoding step does
+        words[:] = 0
+        for row in range(batch):
+            kind = rng.integers(4)  # empty, one token, padding bits only, many tokens
+            if kind == 1:
+                t = int(rng.integers(vocab))
+                words[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            elif kind == 2 and vocab % 32:
+                words[row, -1] = np.int32(np.uint32((0xFFFFFFFF << (vocab % 32))
+                                                    & 0xFFFFFFFF).view(np.int32))
+            elif kind == 3:
+                words[row] = rng.integers(-2**31, 2**31, size=words.shape[1], dtype=np.int64)
+        assert check() == numpy_first_empty_row(words, vocab)
+
+
+def test_word_items_is_the_bitmasks_memory_or_none():
+    from shim_adapters.bitmask import word_items
+
+    words = np.zeros((3, 5), dtype=np.int32)
+    items = word_items(words)
+    assert word_items(words) is items  # remembered
+    items[2 * 5 + 4] = -7
+    items[1] |= 1 << 30
+    assert words[2, 4] == -7 and words[0, 1] == 1 << 30
+    other = np.zeros((2, 5), dtype=np.int32)
+    assert word_items(other) is not None and word_items(words) is items  # the last two
+    assert word_items(np.zeros((4, 10), dtype=np.int32)[:, ::2]) is None
+    assert word_items(np.zeros((2, 5), dtype=np.int64)) is None

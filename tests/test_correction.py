@@ -186,3 +186,29 @@ def test_batch_one_gamma_add_is_log_gamma_up_to_a_constant(setups):
     assert info["lookups"] == 12 and info["hits"] >= 6
     with pytest.raises(ValueError, match="1 state but 2 rows"):
         adj.add_log_gamma_(torch.zeros((2, masker.vocab_size)), [state], [0, 1])
+
+
+def test_batch_one_torch_add_follows_the_table_as_it_grows_and_shrinks(setups):
+    """Batch 1 adds each entry's row view with one torch call; the views follow the table when
+    it is reallocated (growth past 4 slots, compaction after eviction) and when it is widened
+    to the logits' width, so every add still equals log_gamma up to one constant."""
+    masker, _, ctrl = setups["bv4"]
+    per_entry = ShimAdjuster(ctrl["LR_FULL"]).cache.entry_bytes
+    for bound in (None, 6 * (per_entry + 400)):  # growth only; growth, eviction, compaction
+        adj = (ShimAdjuster(ctrl["LR_FULL"]) if bound is None
+               else ShimAdjuster(ctrl["LR_FULL"], cache_bytes=bound))
+        adj.cache.clear()
+        states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(24)]
+        for state in states + states[::3]:
+            allowed = state.allowed_token_ids()
+            (expected,) = adj.log_gamma([state], [allowed])
+            scores = torch.zeros((1, masker.vocab_size))
+            adj.add_log_gamma_(scores, [state])
+            got = scores[0, allowed].numpy()
+            np.testing.assert_allclose(got - got[0], expected - expected[0], atol=1e-5)
+        cache = adj.cache
+        assert len(cache.table) > 4  # it grew (and shrank, with the bound) along the way
+        if cache.dense and masker.vocab_size <= 2 * len(cache.columns):
+            assert cache.width == masker.vocab_size  # widened: one add of a whole row
+        for entry in cache._by_encoding.values():
+            assert entry.row.data_ptr() == cache.table_tensor[entry.slot].data_ptr()

@@ -4,8 +4,8 @@ A batch's masks are one int32 tensor of shape ``(batch, ceil(vocab_size / 32))``
 of row ``r`` is allowed when bit ``t % 32`` (least significant first) of word ``t // 32`` is
 set. Bits past ``vocab_size`` are ignored. A state fills its row in place
 (:meth:`~shim_adapters.protocol.MaskerState.fill_next_token_bitmask`), and
-:func:`apply_token_bitmask_` masks a batch of logits with one vectorised op (numpy on CPU,
-torch bit operations elsewhere), so no per-row bool array or device round trip is on the hot
+:func:`apply_token_bitmask_` masks a batch of logits with one vectorised op (cached bool
+rows or numpy on CPU, torch bit operations elsewhere), so no per-row bool array or device round trip is on the hot
 path.
 The core imports no backend: a masker may hand in its backend's own kernel instead
 (:meth:`~shim_adapters.protocol.Masker.apply_token_bitmask_`).
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .mask_expansion import apply_expanded_
 
 #: Bits per bitmask word.
 BITS_PER_WORD = 32
@@ -40,6 +42,28 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     view = tensor.numpy()
     _VIEWS[0], _VIEWS[1] = (tensor, view), first
     return view
+
+
+#: The last two (numpy bitmask, int32 memoryview) pairs of :func:`word_items`.
+_ITEMS: list = [(None, None), (None, None)]
+
+
+def word_items(words: np.ndarray) -> memoryview | None:
+    """A flat int32 memoryview of a C-contiguous numpy bitmask (word ``w`` of row ``r`` at
+    ``r * words.shape[1] + w``), remembered for the last two arrays; None for any other
+    layout. Reading or writing a few words through it costs a third of numpy's item access,
+    and inside ``generate`` (caches cold) numpy's scalar path costs microseconds per word."""
+    first, second = _ITEMS
+    if first[0] is words:
+        return first[1]
+    if second[0] is words:
+        _ITEMS[0], _ITEMS[1] = second, first
+        return second[1]
+    if words.dtype != np.int32 or not words.flags.c_contiguous:
+        return None
+    items = memoryview(words).cast("B").cast("i")
+    _ITEMS[0], _ITEMS[1] = (words, items), first
+    return items
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -109,12 +133,28 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
 
     ``logits``: (batch, vocab) on any device; ``bitmask``: (batch, words) int32 (moved to the
     logits' device if needed). Columns past the bitmask's ``words * 32`` are masked too.
-    On CPU the forbidden bits are unpacked with numpy (one byte per token) and written with
-    one ``copyto``: measured 1.1-5.6x cheaper than XGrammar's CPU kernel on real bv4 and json
-    masks at 1k-152k vocabularies and batch 1-32 (``benchmarks/apply_kernel.py``), and
-    1.8-3x cheaper than the torch bit operations (:func:`apply_token_bitmask_torch_`) used
-    on other devices.
+    On CPU each row's forbidden tokens come from :mod:`shim_adapters.mask_expansion` (the
+    row's bytes looked up, one ``masked_fill_``: inside ``generate`` 5-7 µs where unpacking
+    with numpy costs 20-25 µs at a 1k vocabulary); rows too wide to cache are unpacked with
+    numpy and written with one ``copyto``, measured 1.1-5.6x cheaper than XGrammar's CPU
+    kernel on real bv4 and json masks (``benchmarks/apply_kernel.py``) and 1.8-3x cheaper
+    than the torch bit operations (:func:`apply_token_bitmask_torch_`) used on other devices.
     """
+    if (logits.is_cpu and bitmask.is_cpu and bitmask.dtype is torch.int32
+            and logits.dim() == 2 and bitmask.dim() == 2 and len(logits) == len(bitmask)):
+        words = numpy_view(bitmask)
+        width = logits.shape[1]
+        covered = min(width, words.shape[1] * BITS_PER_WORD)
+        if apply_expanded_(logits, words, covered):
+            if covered < width:
+                logits[:, covered:] = float("-inf")
+            return logits
+        if logits.dtype in _NUMPY_FLOATS and not logits.requires_grad:
+            view = numpy_view(logits)
+            np.copyto(view[:, :covered], -np.inf, where=_forbidden_bools(words, covered))
+            if covered < width:
+                view[:, covered:] = -np.inf
+            return logits
     if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
         raise ValueError(f"logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} must "
                          f"be 2-D with the same number of rows")
@@ -123,12 +163,18 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     if logits.device.type == "cpu" and bitmask.device.type == "cpu":
         if bitmask.dtype != torch.int32:
             raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
-        _apply_on_cpu_(logits, numpy_view(bitmask), covered)
+        # half precision, or a tensor that records gradients: torch's masked_fill_
+        forbidden = _forbidden_bools(numpy_view(bitmask), covered)
+        logits[:, :covered].masked_fill_(torch.from_numpy(forbidden), float("-inf"))
     else:
         apply_token_bitmask_torch_(logits, bitmask)
     if covered < width:
         logits[:, covered:] = float("-inf")
     return logits
+
+
+#: Logit dtypes the CPU kernel writes through numpy.
+_NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
 def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -142,20 +188,9 @@ def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor) -> N
 
 def _forbidden_bools(words: np.ndarray, vocab_size: int) -> np.ndarray:
     """(batch, vocab_size) bool, True where a numpy bitmask's bit is clear (forbidden)."""
-    inverted = np.invert(np.ascontiguousarray(words, dtype=np.int32))
+    inverted = np.invert(words, order="C")  # C order: its bytes are each row's bits in order
     return np.unpackbits(inverted.view(np.uint8), axis=1, count=int(vocab_size),
                          bitorder="little").view(bool)
-
-
-def _apply_on_cpu_(logits: torch.Tensor, words: np.ndarray, covered: int) -> None:
-    forbidden = _forbidden_bools(words, covered)
-    view = None
-    if not logits.requires_grad and logits.dtype in (torch.float32, torch.float64):
-        view = numpy_view(logits)
-    if view is not None:
-        np.copyto(view[:, :covered], -np.inf, where=forbidden)
-    else:  # half precision, or a tensor that records gradients: torch's masked_fill_
-        logits[:, :covered].masked_fill_(torch.from_numpy(forbidden), float("-inf"))
 
 
 def numpy_rows_with_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -167,18 +202,21 @@ def numpy_rows_with_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
     return any_
 
 
+_or_reduce = np.bitwise_or.reduce
+
+
 def numpy_first_empty_row(words: np.ndarray, vocab_size: int) -> int | None:
     """The first row of a numpy bitmask that allows none of the first ``vocab_size`` tokens,
     or None. Every decoding step asks this once and the answer is almost always None, so the
     usual case is one reduction (one per row at batch 1), the tail word only looked at for a
     row whose full words are all zero."""
-    full, rest = divmod(int(vocab_size), BITS_PER_WORD)
-    if words.shape[0] == 1:
-        if words[0, :full].any():
+    full, rest = divmod(vocab_size, BITS_PER_WORD)
+    if len(words) == 1:  # one reduction, no Python-level numpy wrapper (any() has one)
+        if _or_reduce(words[0, :full]):
             return None
         candidates = [0]
     else:
-        any_ = np.bitwise_or.reduce(words[:, :full], axis=1)  # 1.5-2x cheaper than any()
+        any_ = _or_reduce(words[:, :full], axis=1)  # 1.5-2x cheaper than any()
         if any_.all():
             return None
         candidates = np.flatnonzero(any_ == 0).tolist()
@@ -187,6 +225,40 @@ def numpy_first_empty_row(words: np.ndarray, vocab_size: int) -> int | None:
         if not rest or not int(words[row, full]) & tail:
             return row
     return None
+
+
+class EmptyRowCheck:
+    """:func:`numpy_first_empty_row` of one preallocated bitmask, asked once per decoding
+    step. Up to :data:`MEMCMP_ROWS` rows it compares each row's full words with zero bytes
+    through a memoryview: inside ``generate`` (caches cold after the LM's forward pass)
+    numpy's reduction costs 8-11 µs and a bytes comparison 1-1.5 µs."""
+
+    def __init__(self, words: np.ndarray, vocab_size: int):
+        self.words = words
+        self.vocab_size = int(vocab_size)
+        self._full, rest = divmod(self.vocab_size, BITS_PER_WORD)
+        self._tail = (1 << rest) - 1
+        self._data = memoryview(words).cast("B") if words.flags.c_contiguous else None
+        self._row_bytes = 4 * words.shape[1]
+        self._zero = bytes(4 * self._full)
+
+    def __call__(self) -> int | None:
+        data, words = self._data, self.words
+        if data is None or len(words) > MEMCMP_ROWS:
+            return numpy_first_empty_row(words, self.vocab_size)
+        zero, row_bytes, tail = self._zero, self._row_bytes, self._tail
+        span = len(zero)
+        for row in range(len(words)):
+            start = row * row_bytes
+            if data[start:start + span] != zero:
+                continue
+            if not tail or not int(words[row, self._full]) & tail:
+                return row
+        return None
+
+
+#: Rows up to which :class:`EmptyRowCheck` compares bytes (beyond, one numpy reduction).
+MEMCMP_ROWS = 64
 
 
 def rows_with_any(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .protocol import MaskerState
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 #: Bytes charged per key and per entry on top of their payload (dict slots, objects).
 _KEY_OVERHEAD = 100
-_ENTRY_OVERHEAD = 164
+_ENTRY_OVERHEAD = 164 + 240  # the entry, its dict slots, its row view (tensor object)
 
 
 class GammaEntry:
@@ -42,14 +42,17 @@ class GammaEntry:
     ``table[slot][i] = value(scored_token_ids[i]) - shared``. ``alive`` turns False when the
     entry is evicted (its slot is then reused): keys still pointing at it count as misses."""
 
-    __slots__ = ("slot", "shared", "ekey", "alive", "used")
+    __slots__ = ("slot", "shared", "ekey", "alive", "used", "row")
 
-    def __init__(self, slot: int, shared: float, ekey: tuple[bytes, bytes]):
+    def __init__(self, slot: int, shared: float, ekey: tuple[bytes, bytes], row: torch.Tensor):
         self.slot = slot
         self.shared = shared
         self.ekey = ekey
         self.alive = True
         self.used = False
+        #: ``table_tensor[slot]`` (kept current when the table is reallocated): batch 1 adds
+        #: it with one torch call
+        self.row = row
 
 
 class GammaCache:
@@ -213,14 +216,33 @@ class GammaCache:
             row[self._scored] = values - shared
         else:
             self._table[slot] = values - shared
-        return GammaEntry(slot, float(shared), ekey)
+        return GammaEntry(slot, float(shared), ekey, self._table_t[slot])
 
     def _grow(self) -> None:
         old = self._table
         table = np.zeros((2 * len(old), self.width), dtype=np.float32)
         table[:len(old)] = old
         self._free.extend(range(len(table) - 1, len(old) - 1, -1))
+        self._set_table(table)
+
+    def _set_table(self, table: np.ndarray) -> None:
+        """Install a reallocated table; every live entry's row view follows it."""
         self._table, self._table_t = table, torch.from_numpy(table)
+        for entry in self._by_encoding.values():
+            entry.row = self._table_t[entry.slot]
+
+    def widen(self, width: int) -> None:
+        """Dense rows as wide as the logits (zeros past the scored span: those tokens share
+        the row's value), so batch 1 adds a row with one call instead of slicing the logits
+        first. Only for a dense table, and only up to twice its width (memory)."""
+        if not self.dense or width <= self.width or width > 2 * self.width:
+            return
+        table = np.zeros((len(self._table), width), dtype=np.float32)
+        table[:, :self.width] = self._table
+        self.width = width
+        self.columns = np.arange(width, dtype=np.int64)
+        self._row_bytes = 4 * width
+        self._set_table(table)
 
     def _evict(self, keep: Sequence[GammaEntry]) -> None:
         """Oldest entries first, skipping once those hit since (CLOCK), until the memory
@@ -267,7 +289,7 @@ class GammaCache:
         for i, entry in enumerate(live):
             table[i] = self._table[entry.slot]
             entry.slot = i
-        self._table, self._table_t = table, torch.from_numpy(table)
+        self._set_table(table)
         self._free = list(range(size - 1, len(live) - 1, -1))
 
     # ---- reporting -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor
 
-from .bitmask import allocate_token_bitmask, numpy_first_empty_row, pack_mask
+from .bitmask import EmptyRowCheck, allocate_token_bitmask, pack_mask
 from .errors import DeadEndError, VocabMismatchError
 from .protocol import Masker, MaskerState
 
@@ -45,8 +45,8 @@ class MaskedLogitsProcessor(LogitsProcessor):
     ``log_gamma`` with the allowed ids, after the mask. ``scores`` is modified in place and
     returned."""
 
-    _words: np.ndarray | None = None  # numpy view of _words_of (the bitmask it was taken from)
-    _words_of: torch.Tensor | None = None
+    _words: np.ndarray | None = None  # numpy view of _bitmask
+    _words_for: Masker | None = None  # the masker _bitmask and _eos_row were made for
 
     def __init__(self, states: Sequence[MaskerState], adjuster: LogitAdjuster | None = None):
         if not states:
@@ -106,60 +106,79 @@ class MaskedLogitsProcessor(LogitsProcessor):
         finished rows allow only EOS. Raises DeadEndError for a live row with no token."""
         states = self.states
         masker = states[0].masker
-        batch = len(states)
         bitmask = self._bitmask
-        if bitmask is None or bitmask.shape[0] != batch:
-            bitmask = self._bitmask = allocate_token_bitmask(batch, masker.vocab_size)
-        if self._words_of is not bitmask:  # the numpy view, once per buffer
-            self._words, self._words_of = bitmask.numpy(), bitmask
-        if self._eos_row is None:
-            only_eos = np.zeros(masker.vocab_size, dtype=bool)
-            only_eos[min(masker.eos_token_ids)] = True
-            self._eos_row = pack_mask(only_eos)
+        if bitmask is None or self._words_for is not masker or len(self._words) != len(states):
+            bitmask = self._allocate(masker, len(states))
         words = self._words
-        finished = [row for row, state in enumerate(states) if state.is_finished]
-        if not finished:  # the usual case: every row live, in order
-            masker.fill_next_token_bitmasks(states, bitmask, range(batch))
+        live = self._live_rows()
+        if live is None:  # the usual case: every row live, in order
+            masker.fill_next_token_bitmasks(states, bitmask, range(len(states)))
         else:
-            words[finished] = self._eos_row
-            live = [row for row, state in enumerate(states) if not state.is_finished]
+            words[sorted(set(range(len(states))).difference(live))] = self._eos_row
             masker.fill_next_token_bitmasks([states[r] for r in live], bitmask, live)
-        row = numpy_first_empty_row(words, masker.vocab_size)
+        row = self._empty_row()
         if row is not None:
             state = states[row]
             raise DeadEndError(state.step, state.describe(), row=row)
         return bitmask
 
+    def _allocate(self, masker: Masker, batch: int) -> torch.Tensor:
+        """The preallocated bitmask for ``batch`` rows, its numpy view and the EOS-only row."""
+        bitmask = self._bitmask = allocate_token_bitmask(batch, masker.vocab_size)
+        self._words, self._words_for = bitmask.numpy(), masker
+        self._empty_row = EmptyRowCheck(self._words, masker.vocab_size)
+        only_eos = np.zeros(masker.vocab_size, dtype=bool)
+        only_eos[min(masker.eos_token_ids)] = True
+        self._eos_row = pack_mask(only_eos)
+        return bitmask
+
+    def _live_rows(self) -> list[int] | None:
+        """The rows whose state is not finished, or None when every row is live (the usual
+        case: no list is built)."""
+        states = self.states
+        if len(states) == 1:
+            return [] if states[0].is_finished else None
+        for state in states:
+            if state.is_finished:
+                return [row for row, s in enumerate(states) if not s.is_finished]
+        return None
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if input_ids.shape[0] != len(self.states):
+        states = self.states
+        if input_ids.shape[0] != len(states):
             raise ValueError(f"batch has {input_ids.shape[0]} rows but the processor holds "
-                             f"{len(self.states)} masker states (beam search and "
+                             f"{len(states)} masker states (beam search and "
                              f"num_return_sequences>1 are not supported: use one state per row)")
-        masker = self.states[0].masker
+        masker = states[0].masker
         width = masker.vocab_size
         if scores.shape[-1] != width:
             raise VocabMismatchError(f"model logits have width {scores.shape[-1]} but the masker "
                                      f"was compiled for {width}")
         self._sync(input_ids)
         bitmask = self.fill_bitmask()
-        if hasattr(self.adjuster, "add_log_gamma_"):
+        adjuster = self.adjuster
+        if adjuster is None:
+            masker.apply_token_bitmask_(scores, bitmask)
+        elif hasattr(adjuster, "add_log_gamma_"):
             # γ first, then the mask: the mask sets every forbidden token to -inf whatever was
             # added, and the γ add runs before the kernel has swept the logits through the
             # cache (measured: the same add costs several times more right after it)
             self._apply_adjuster(scores)
             masker.apply_token_bitmask_(scores, bitmask)
-            return scores
-        masker.apply_token_bitmask_(scores, bitmask)
-        if self.adjuster is not None:
+        else:
+            masker.apply_token_bitmask_(scores, bitmask)
             self._apply_adjuster(scores)
         return scores
 
     def _apply_adjuster(self, scores: torch.FloatTensor,
                         mask: torch.Tensor | None = None) -> torch.FloatTensor:
-        live = [i for i, s in enumerate(self.states) if not s.is_finished]
-        if not live:
+        live = self._live_rows()
+        if live is None:
+            states, live = self.states, range(len(self.states))
+        elif not live:
             return scores
-        states = [self.states[i] for i in live]
+        else:
+            states = [self.states[i] for i in live]
         if hasattr(self.adjuster, "add_log_gamma_"):
             return self.adjuster.add_log_gamma_(scores, states, live)
         if mask is None:

@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from shim_adapters.bitmask import apply_token_bitmask_, numpy_view
+from shim_adapters.bitmask import apply_token_bitmask_, numpy_view, word_items
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError, VocabMismatchError
 from shim_adapters.grammar import Grammar
 from shim_adapters.grammar_convert import convert
@@ -273,7 +273,9 @@ class XGrammarMasker(Masker):
         breaks = np.flatnonzero(np.diff(fix) != 1) + 1
         self._fix_runs = [(int(run[0]), int(run[-1]) + 1, ~packed_clear[run[0]:run[-1] + 1])
                           for run in np.split(fix, breaks) if len(run)]
-        self._eos_words = [(int(w), packed_eos[w]) for w in np.flatnonzero(packed_eos)]
+        self._eos_words = [(int(w), int(packed_eos[w])) for w in np.flatnonzero(packed_eos)]
+        #: (word, bits) when every EOS id sits in one word, else None
+        self._eos_word = self._eos_words[0] if len(self._eos_words) == 1 else None
         #: the same word by word (Python ints), where there are only a few words to fix
         self._fix_scalars = ([(int(w), int(k)) for w, k in zip(fix, self._fix_keep)]
                              if len(fix) <= _ITEM_FIX_WORDS else None)
@@ -286,6 +288,13 @@ class XGrammarMasker(Masker):
         :meth:`XGrammarState._fix_up`: row by row for a few rows, with array ops for a
         batch."""
         words = _numpy_view(bitmask)
+        items = word_items(words) if self._fix_scalars is not None else None
+        if len(states) == 1 and type(states[0]) is XGrammarState:  # batch 1: no lists
+            state, row = states[0], rows[0]
+            if state.masker is self and not state._finished:
+                state._matcher.fill_next_token_bitmask(bitmask, row)
+                state._fix_up(words, row, items)
+                return
         live, batched, batched_rows = [], [], []
         own_fill = XGrammarState._fill_raw
         for row, state in zip(rows, states):
@@ -307,9 +316,11 @@ class XGrammarMasker(Masker):
             self._batch_matcher.batch_fill_next_token_bitmask(batched, bitmask, batched_rows)
         if not live:
             return
-        if len(live) <= _ITEM_FIX_ROWS:  # a few rows: each row's own fix-up
+        if items is not None or len(live) <= _ITEM_FIX_ROWS:
+            # a few words to fix, or a few rows: each row's own fix-up, word by word (inside
+            # generate cheaper than the array ops below, whose every call runs cold)
             for row, state in live:
-                state._fix_up(words[row])
+                state._fix_up(words, row, items)
             return
         # a batch: one gather of the EOS words, one slice op per run of fix-up words
         first, last = live[0][0], live[-1][0] + 1
@@ -342,8 +353,8 @@ class XGrammarMasker(Masker):
         """``advance`` of each row, inlined for this masker's plain states (a batch's step is
         per-row Python overhead around XGrammar's accept). XGrammar's ``batch_accept_token``
         measured slower than this loop at batch 16 (38 vs 23 µs), so it is not used."""
-        size, special = self.tokenizer_size, self._special_ids
-        start, movers = self._guard_start, self._guard_movers
+        size, special, eos = self.tokenizer_size, self._special_ids, self.eos_token_ids
+        start, movers, trie = self._guard_start, self._guard_movers, self._trie
         for state, token_id in zip(states, token_ids):
             token_id = int(token_id)
             if type(state) is not XGrammarState or state.masker is not self:
@@ -355,7 +366,17 @@ class XGrammarMasker(Masker):
             if (state._finished or not 0 <= token_id < size or token_id in special
                     or after is None or not state._matcher.accept_token(token_id)):
                 raise state._forbidden(token_id)
-            state._note_accepted(token_id, after)
+            # _note_accepted, inlined (the trie's usual case: the child exists)
+            state._guard_states = after
+            state._token_ids.append(token_id)
+            node = state._node
+            if node is not None:
+                nxt = node.next
+                found = nxt.get(token_id) if nxt is not None else None
+                state._node = found if found is not None else (
+                    trie.child(node, token_id) if trie is not None else None)
+            if token_id in eos:
+                state._finished = True
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """XGrammar's own kernel on an accelerator; on CPU the core's numpy kernel, which
@@ -363,7 +384,7 @@ class XGrammarMasker(Masker):
         (``benchmarks/apply_kernel.py``; both set exactly the same logits to -inf) and stays
         inside each row (XGrammar 0.2.9's writes past it at some widths:
         docs/upstream-reports.md)."""
-        if logits.device.type == "cpu":
+        if logits.is_cpu:
             apply_token_bitmask_(logits, bitmask)
         else:
             self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
@@ -417,21 +438,21 @@ def _position_free_key(dump: str) -> str:
     """The feature key of a dump, as one ``str``: its items without their start offsets, then
     the offsets' rank order (0 = innermost; the usual innermost-first layout is written as the
     item count); the header's step count is dropped. A ``str`` caches its hash, so the γ
-    cache's lookup of a key the trie serves costs no hashing. Two regex calls and no loop over
-    items: inside ``generate`` a new state's key is built with caches cold, where the cost
+    cache's lookup of a key the trie serves costs no hashing. No loop over items: inside ``generate`` a new state's key is built with caches cold, where the cost
     follows the bytecodes run (a loop over items measured 28-37 µs there, 5 µs warm). The
-    same partition of states as :func:`_position_free_key_regex` (the reference; tested)."""
+    same partition of states as :func:`_position_free_key_regex` (the reference; tested).
+    One regex split (texts and offsets alternate) and C-level maps: no Python loop."""
     cut = dump.find(" steps", 10) if dump.startswith("There are ") else -1
     body = dump[cut:] if cut > 0 and dump[10:cut].isdigit() else dump
-    starts = _START_POS.findall(body)
-    text = _START_POS.sub("", body)
-    if len(starts) > 1:
-        ints = list(map(int, starts))
+    parts = _START_POS.split(body)
+    text = "".join(parts[::2])
+    if len(parts) > 3:  # two items or more
+        ints = list(map(int, parts[1::2]))
         order = sorted(set(ints), reverse=True)
         if order != ints:  # not the usual layout: the rank of each item's offset
-            rank = {start: i for i, start in enumerate(order)}
-            return text + "\x01" + ",".join([str(rank[start]) for start in ints])
-    return text + "\x01" + str(len(starts))
+            rank = {start: str(i) for i, start in enumerate(order)}
+            return text + "\x01" + ",".join(map(rank.__getitem__, ints))
+    return text + "\x01" + str(len(parts) // 2)
 
 
 #: An item's start offset in a dump.
@@ -586,34 +607,47 @@ class XGrammarState(MaskerState):
 
     def fill_next_token_bitmask(self, bitmask, row: int = 0) -> None:
         """XGrammar's own fill into the caller's bitmask, then the few words it gets wrong."""
-        words = _numpy_view(bitmask)[row]
+        words = _numpy_view(bitmask)
         if self._finished:
-            words[:] = 0
+            words[row] = 0
             return
         self._fill_raw(bitmask, row)
-        self._fix_up(words)
+        self._fix_up(words, row, word_items(words) if self.masker._fix_scalars is not None
+                     else None)
 
-    def _fix_up(self, words: np.ndarray) -> None:
-        """The masker's corrections to XGrammar's fill of this state's row ``words``: control
-        tokens and padding cleared (word by word where they are few: an item read and write
-        costs a fifth of a slice op), EOS where XGrammar allowed it and the matcher completes
-        (so ``is_completed`` is asked only there), the byte guards' refusals."""
+    def _fix_up(self, words: np.ndarray, row: int, items: memoryview | None) -> None:
+        """The masker's corrections to XGrammar's fill of row ``row`` of the numpy bitmask
+        ``words``: control tokens and padding cleared, EOS where XGrammar allowed it and the
+        matcher completes (so ``is_completed`` is asked only there), the byte guards'
+        refusals. ``items``: the bitmask's :func:`~shim_adapters.bitmask.word_items` when the
+        masker has only a few words to fix (then they are fixed word by word), else None
+        (slice ops on the row)."""
         masker = self.masker
-        eos_allowed = any(int(words[w]) & bits for w, bits in masker._eos_words)
-        if masker._fix_scalars is not None:
+        if items is not None:
+            base = row * masker._bitmask_shape[1]
+            eos_word = masker._eos_word
+            if eos_word is not None:  # the usual case: every EOS id in one word
+                eos_allowed = items[base + eos_word[0]] & eos_word[1]
+            else:
+                eos_allowed = any(items[base + w] & bits for w, bits in masker._eos_words)
             for w, keep in masker._fix_scalars:
-                words[w] = int(words[w]) & keep
+                items[base + w] &= keep
+            if eos_allowed and self._matcher.is_completed():
+                for w, bits in masker._eos_words:
+                    items[base + w] |= bits
         else:
+            own = words[row]
+            eos_allowed = any(int(own[w]) & bits for w, bits in masker._eos_words)
             for a, b, keep in masker._fix_runs:
-                words[a:b] &= keep
-        if eos_allowed and self._matcher.is_completed():
-            for w, bits in masker._eos_words:
-                words[w] |= bits
+                own[a:b] &= keep
+            if eos_allowed and self._matcher.is_completed():
+                for w, bits in masker._eos_words:
+                    own[w] |= bits
         if self._guard_states is not masker._guard_start or masker._guard_start_clears:
             for guard, state in zip(masker._guards, self._guard_states):
                 index, keep = guard.clear[state]
                 if len(index):
-                    words[index] &= keep
+                    words[row, index] &= keep
 
     def _fill_raw(self, bitmask, row: int) -> None:
         """XGrammar's mask for this row, before the fix-ups."""
