@@ -18,7 +18,9 @@ Time per token = generate wall time / tokens of the path (all rows, EOS once), b
 ``--repeats``. The processor columns are the time inside each processor's calls (per token,
 best of the repeats), and the last ratios are (LM-only + processor) over the same for the
 backend's own processor: on a machine shared with other jobs they are far less noisy than
-whole-run wall times. Torch pinned to one thread.
+whole-run wall times. The paired columns take that ratio per repeat (one path, both
+processors on it) and report the median over repeats: best-of per processor can pick
+different paths, whose lengths and states differ. Torch pinned to one thread.
 
     python benchmarks/shim_end_to_end.py [--grammars bv4,json] [--batches 1,16,32]
         [--backends xgrammar,syncode,outlines] [--lm smollm2]
@@ -27,6 +29,7 @@ whole-run wall times. Torch pinned to one thread.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -168,8 +171,9 @@ def main() -> None:
           "ShimLogitsProcessor µs/token | ratio | with_shim µs/token | ratio | own processor "
           "µs/token | ShimLogitsProcessor processor µs/token | with_shim processor µs/token | "
           "ratio (LM + processor) | with_shim ratio (LM + processor) | masking only processor "
-          "µs/token | masking only ratio (LM + processor) | features |")
-    print("|" + "---|" * 18)
+          "µs/token | masking only ratio (LM + processor) | features | paired median ratio: "
+          "ShimLogitsProcessor | with_shim | masking only |")
+    print("|" + "---|" * 21)
     for backend_name in args.backends.split(","):
         backend = get_backend(backend_name)
         for gname in args.grammars.split(","):
@@ -195,14 +199,15 @@ def main() -> None:
                           f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]} |",
                           flush=True)
                     continue
-                lm_only, x, best, inside, est = row
+                lm_only, x, best, inside, est, paired = row
                 print(f"| {lm_name} | {backend_name} | {gname} | {batch} | {lm_only * 1e6:.0f} | "
                       f"{x * 1e6:.0f} | {best['shim'] * 1e6:.0f} | {best['shim'] / x:.3f} | "
                       f"{best['wrap'] * 1e6:.0f} | {best['wrap'] / x:.3f} | "
                       f"{inside['own'] * 1e6:.1f} | {inside['shim'] * 1e6:.1f} | "
                       f"{inside['wrap'] * 1e6:.1f} | {est['shim'] / est['own']:.3f} | "
                       f"{est['wrap'] / est['own']:.3f} | {inside['mask'] * 1e6:.1f} | "
-                      f"{est['mask'] / est['own']:.3f} | {features} |", flush=True)
+                      f"{est['mask'] / est['own']:.3f} | {features} | {paired['shim']:.3f} | "
+                      f"{paired['wrap']:.3f} | {paired['mask']:.3f} |", flush=True)
     print(f"\nbest of {args.repeats} repeats; {args.max_new_tokens} new tokens; torch threads "
           f"= {torch.get_num_threads()}; γ cache {'warm' if args.warm else 'cold'} on each path")
 
@@ -215,7 +220,9 @@ def measure(args, lm, masker, controller, own, wrap, grammar, batch, eos, clear_
             "wrap": float("inf"), "mask": float("inf")}
     inside = {"own": float("inf"), "shim": float("inf"), "wrap": float("inf"),
               "mask": float("inf")}
+    per_rep: list[dict[str, float]] = []  # this repeat's LM-only and processor times
     for rep in range(args.repeats):
+        per_rep.append({})
         # the path: the backend's own processor, sampled (EOS-padded)
         _, path = generate(lm, [own()], enc, args.max_new_tokens, eos, seed=rep)
         tokens = int((path != eos[0]).sum()) + batch
@@ -244,13 +251,18 @@ def measure(args, lm, masker, controller, own, wrap, grammar, batch, eos, clear_
             if not torch.equal(out, path[:, :out.shape[1]]):
                 raise RuntimeError(f"{name}: the forced run left the recorded path")
             best[name] = min(best[name], seconds / tokens)
+            per_rep[-1][name] = seconds / tokens if timed is None else sum(timed.seconds) / tokens
             if timed is not None:
                 inside[name] = min(inside[name], sum(timed.seconds) / tokens)
     x, lm_only = best["own"], best["lm"]
     # the same ratios from the LM-only run plus each processor's own time (robust
     # to the other jobs on a loaded machine: processor calls are short)
     est = {k: lm_only + v for k, v in inside.items()}
-    return lm_only, x, best, inside, est
+    # the same ratio per repeat (one path, side by side), then the median over repeats: a
+    # best-of per processor may pick different paths, whose lengths and states differ
+    paired = {k: statistics.median((r["lm"] + r[k]) / (r["lm"] + r["own"]) for r in per_rep)
+              for k in ("shim", "wrap", "mask")}
+    return lm_only, x, best, inside, est, paired
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ fitted here (forced β = 1 so that the correction is never a no-op).
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -558,31 +559,56 @@ def test_outlines_regex_wrapper_refuses_a_generator_of_another_regex(lm, regex_s
         with_shim(other, controller, grammar=grammar)
 
 
-def test_xgrammar_wrapper_never_hands_xgrammars_kernel_the_logits(lm, monkeypatch):
-    """with_shim lets XGrammar's processor fill its bitmask but masks the logits with the
-    masker's kernel: XGrammar's CPU kernel only ever sees the 32-column stand-in, so its
-    write past a row (the upstream xfail in test_bitmask.py) cannot reach the logits, and the
-    outputs are still in the language."""
+def test_xgrammar_wrapper_masks_with_the_processors_grammar_without_running_it(lm,
+                                                                              monkeypatch):
+    """with_shim has checked the processor's compiled grammar is the controller's, so it masks
+    with matchers of that very CompiledGrammar and never calls the processor or XGrammar's
+    CPU kernel (whose write past a row, the upstream xfail in test_bitmask.py, therefore
+    cannot reach the logits); the outputs are in the language, control tokens XGrammar treats
+    as text are announced once and never emitted, and a subclass (whose own __call__ would be
+    skipped) is refused."""
     import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
 
+    from shim_adapters.wrap import ShimWarning
     from shim_xgrammar.wrap import with_shim
 
-    widths = []
-    kernel = xgr.apply_token_bitmask_inplace
+    calls = []
 
     def recording_kernel(logits, bitmask, *args, **kwargs):
-        widths.append(logits.shape[-1])
-        return kernel(logits, bitmask, *args, **kwargs)
+        calls.append("kernel")
+
+    def recording_call(self, input_ids, scores):
+        calls.append("processor")
 
     monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", recording_kernel)
-    _, fitted_controller = fitted(lm, "xgrammar", "json")
-    wrapped = with_shim(xgrammar_processor(lm, "json"), fitted_controller,
-                        tokenizer=lm.tokenizer, batch_size=3)
+    monkeypatch.setattr(LogitsProcessor, "__call__", recording_call)
+    masker, fitted_controller = fitted(lm, "xgrammar", "json")
+    processor = xgrammar_processor(lm, "json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShimWarning)
+        wrapped = with_shim(processor, fitted_controller, tokenizer=lm.tokenizer,
+                            batch_size=3)
+    controls = sorted(masker._special_ids
+                      - set(masker.compiled.tokenizer_info.special_token_ids))
+    announced = [str(w.message) for w in caught if issubclass(w.category, ShimWarning)]
+    assert len(announced) == (1 if controls else 0)
+    if controls:
+        assert "control token" in announced[0] and str(controls[0]) in announced[0]
+    assert wrapped._compiled[0] is processor.compiled_grammars[0]
     enc = lm.tokenizer([builtin_grammar("json").default_prompt] * 3, return_tensors="pt")
     torch.manual_seed(0)
     out = lm.model.generate(**enc, logits_processor=[wrapped], max_new_tokens=24,
                             eos_token_id=EOS, pad_token_id=EOS, **FAITHFUL_SAMPLING)
-    assert widths and set(widths) == {32}
+    assert calls == []
+    generated = out[:, enc["input_ids"].shape[1]:]
+    assert not set(generated.flatten().tolist()) & set(controls)
     accepts = reference_acceptor(builtin_grammar("json")).accepts
     texts = [o for o in wrapped.outputs(out) if isinstance(o, str)]
     assert texts and all(accepts(t) for t in texts)
+
+    class Custom(LogitsProcessor):
+        pass
+
+    with pytest.raises(TypeError, match="LogitsProcessor itself, got Custom"):
+        with_shim(Custom(masker.compiled), fitted_controller, tokenizer=lm.tokenizer)

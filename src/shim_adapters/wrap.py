@@ -234,8 +234,14 @@ class ShimWrapper(MaskedLogitsProcessor):
         state.advance(token_id)
 
     def _consume_all(self, new: Sequence[int | None]) -> None:
-        """Every live row consumes its new token (None: a finished row); a wrapper may do
-        the batch at once."""
+        """Every live row consumes its new token (None: a finished row): one batched
+        ``advance_states`` unless a wrapper overrides :meth:`_consume`."""
+        if type(self)._consume is ShimWrapper._consume and self.states:
+            live = [(state, token) for state, token in zip(self.states, new)
+                    if token is not None]
+            if live:
+                self.masker.advance_states([s for s, _ in live], [t for _, t in live])
+            return
         for row, (state, token) in enumerate(zip(self.states, new)):
             if token is not None:
                 self._consume(row, state, token)
