@@ -10,8 +10,8 @@ phases in the same loop on the same states:
 - ``plugin fill+advance``: the same through the plugin (``MaskerState.fill_next_token_bitmask``
   + ``advance``);
 - ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
-  the core's (:func:`shim_adapters.bitmask.apply_token_bitmask_`: numpy on CPU, which
-  shim-xgrammar uses there; ``apply_kernel.py`` compares the kernels alone);
+  the core's (:func:`shim_adapters.bitmask.apply_token_bitmask_`, which shim-xgrammar uses
+  on CPU; ``apply_kernel.py`` compares the kernels alone);
 - ``γ hit``: ``ShimAdjuster.add_log_gamma_`` on steps where every row hit the warm γ cache;
   ``γ step``: the same over every timed step (misses included);
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
@@ -20,6 +20,10 @@ phases in the same loop on the same states:
 The caches (γ and XGrammar's token-prefix key trie) are warmed on one set of masked samples
 and the steps timed on a second, fresh set, so a hit pays the state dump wherever the
 prefix is new (``trie served``: the share of keys the trie gave without a dump).
+
+γ and the core's kernel get a new logits tensor each step, as inside ``generate`` (timing
+them on one tensor reused every step, as before session 9, lets ``numpy_view``'s memo serve a
+view that decoding never has, and favours numpy over torch).
 
 Hit rates are those of the first (cold) pass over the warm-up samples in batch order. Torch
 pinned to one thread. Medians (p50) and p99 in µs per batch step.
@@ -94,8 +98,7 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
     base = torch.randn(batch, width)
     # a spare row: XGrammar's CPU kernel can write one float past a row at widths that are
     # not a multiple of 32 (GPT-2's; docs/upstream-reports.md)
-    logits = torch.empty((batch + 1) * width)[:batch * width].view(batch, width)
-    logits.copy_(base)
+    spare = torch.empty((batch + 1) * width)[:batch * width].view(batch, width)
     times = {k: [] for k in ("xgr own", "xgr apply", "core apply", "plugin mask", "γ hit",
                              "γ step", "γ miss", "γ old")}
     hit_info = trie_info = None
@@ -115,6 +118,7 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
         while done_steps < total_steps:
             states = [r[0] for r in rows]
             # XGrammar alone
+            logits = spare
             logits.copy_(base)
             t0 = time.perf_counter()
             for r, (_, matcher, seq, i) in enumerate(rows):
@@ -124,12 +128,14 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
             t1 = time.perf_counter()
             xgr.apply_token_bitmask_inplace(logits, own_mask)
             ta = time.perf_counter()
-            logits.copy_(base)
+            fresh = base.clone()  # a new tensor per step, as for γ below
             tb = time.perf_counter()
-            apply_token_bitmask_(logits, own_mask)
+            apply_token_bitmask_(fresh, own_mask)
             tc = time.perf_counter()
-            # plugin mask (advance timed below, after γ has read the state)
-            logits.copy_(base)
+            # plugin mask (advance timed below, after γ has read the state). γ gets a new
+            # logits tensor each step, as inside generate (a view of the same tensor every
+            # step would be served by numpy_view's memo, which decoding never sees)
+            logits = base.clone()
             t2 = time.perf_counter()
             for r, state in enumerate(states):
                 state.fill_next_token_bitmask(bitmask, r)

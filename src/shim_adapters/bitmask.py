@@ -22,30 +22,46 @@ from .mask_expansion import apply_expanded_
 BITS_PER_WORD = 32
 
 
-#: The last two (tensor, numpy view) pairs of :func:`numpy_view`, most recent first.
-_VIEWS: list = [(None, None), (None, None)]
+class _LastTwo:
+    """``make(obj)`` remembered for the last two objects, most recent first. The objects are
+    held, so an identity match is never a recycled object."""
+
+    __slots__ = ("make", "first", "second")
+
+    def __init__(self, make):
+        self.make = make
+        self.first = self.second = (None, None)
+
+    def __call__(self, obj):
+        first = self.first
+        if first[0] is obj:
+            return first[1]
+        second = self.second
+        if second[0] is obj:
+            self.first, self.second = second, first
+            return second[1]
+        value = self.make(obj)
+        self.first, self.second = (obj, value), first
+        return value
+
+
+def _int32_items(words: np.ndarray) -> memoryview | None:
+    if words.dtype != np.int32 or not words.flags.c_contiguous:
+        return None
+    return memoryview(words).cast("B").cast("i")
+
+
+_VIEWS = _LastTwo(lambda tensor: tensor.numpy())
+_ITEMS = _LastTwo(_int32_items)
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """``tensor.numpy()``, remembered for the last two tensors. One processor call adds γ to
     and masks one logits tensor with one preallocated bitmask, and each ``numpy()`` costs
-    5-15 µs inside ``generate`` (cold after the LM's forward pass). The tensors are held, so
-    an identity match is never a recycled object (a tensor given new storage in place, by
-    ``set_`` or ``resize_``, is not a case the hot path has). Raises as ``numpy()`` does (GPU,
-    grad)."""
-    first, second = _VIEWS
-    if first[0] is tensor:
-        return first[1]
-    if second[0] is tensor:
-        _VIEWS[0], _VIEWS[1] = second, first
-        return second[1]
-    view = tensor.numpy()
-    _VIEWS[0], _VIEWS[1] = (tensor, view), first
-    return view
-
-
-#: The last two (numpy bitmask, int32 memoryview) pairs of :func:`word_items`.
-_ITEMS: list = [(None, None), (None, None)]
+    5-15 µs inside ``generate`` (cold after the LM's forward pass). A tensor given new storage
+    in place (``set_``, ``resize_``) is not a case the hot path has. Raises as ``numpy()``
+    does (GPU, grad)."""
+    return _VIEWS(tensor)
 
 
 def word_items(words: np.ndarray) -> memoryview | None:
@@ -53,17 +69,7 @@ def word_items(words: np.ndarray) -> memoryview | None:
     ``r * words.shape[1] + w``), remembered for the last two arrays; None for any other
     layout. Reading or writing a few words through it costs a third of numpy's item access,
     and inside ``generate`` (caches cold) numpy's scalar path costs microseconds per word."""
-    first, second = _ITEMS
-    if first[0] is words:
-        return first[1]
-    if second[0] is words:
-        _ITEMS[0], _ITEMS[1] = second, first
-        return second[1]
-    if words.dtype != np.int32 or not words.flags.c_contiguous:
-        return None
-    items = memoryview(words).cast("B").cast("i")
-    _ITEMS[0], _ITEMS[1] = (words, items), first
-    return items
+    return _ITEMS(words)
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -43,6 +43,7 @@ class ShimAdjuster:
         #: shared by every adjuster of this controller: warm across generate calls
         self.cache = shared_gamma_cache(controller, damped=damped, max_bytes=cache_bytes)
         self._index: dict[torch.device, torch.Tensor] = {}
+        self._widened: set[int] = set()  # logits widths the cache was asked to widen to
 
     def log_gamma(self, states: Sequence[MaskerState],
                   allowed: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -79,14 +80,15 @@ class ShimAdjuster:
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
             width = scores.shape[1]
-            if cache.width != width:
-                cache.widen(width)
+            if cache.width != width and width not in self._widened:
+                cache.widen(width)  # once per width (it may decline: memory)
+                self._widened.add(width)
             entry = cache.entry(states[0])
             row = 0 if rows is None else rows[0]
-            if cache.width == width:
-                (scores if len(scores) == 1 and row == 0 else scores[row]).add_(entry.row)
-            else:  # narrower than the logits: the scored span only
-                scores[row, :cache.width].add_(entry.row)
+            target = scores if len(scores) == 1 and row == 0 else scores[row:row + 1]
+            if cache.width != width:  # narrower than the logits: the scored span only
+                target = target[:, :cache.width]
+            target.add_(entry.row)
             return scores
         try:  # numpy on the logits' own memory (CPU, no grad): cheaper than torch here
             view = numpy_view(scores)  # the mask kernel reuses it

@@ -33,6 +33,8 @@ from .protocol import MaskerState
 #: Default bound on the memory of cached corrections.
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 #: Bytes charged per key and per entry on top of their payload (dict slots, objects).
+#: :meth:`GammaCache.widen` widens dense rows to any logits width up to this many columns.
+WIDEN_COLUMNS = 8192
 _KEY_OVERHEAD = 100
 _ENTRY_OVERHEAD = 164 + 240  # the entry, its dict slots, its row view (tensor object)
 
@@ -234,8 +236,10 @@ class GammaCache:
     def widen(self, width: int) -> None:
         """Dense rows as wide as the logits (zeros past the scored span: those tokens share
         the row's value), so batch 1 adds a row with one call instead of slicing the logits
-        first. Only for a dense table, and only up to twice its width (memory)."""
-        if not self.dense or width <= self.width or width > 2 * self.width:
+        first. Only for a dense table, and only up to twice its width or
+        :data:`WIDEN_COLUMNS` columns (memory)."""
+        if (not self.dense or width <= self.width
+                or width > max(2 * self.width, WIDEN_COLUMNS)):
             return
         table = np.zeros((len(self._table), width), dtype=np.float32)
         table[:, :self.width] = self._table
