@@ -140,8 +140,9 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     ``logits``: (batch, vocab) on any device; ``bitmask``: (batch, words) int32 (moved to the
     logits' device if needed). Columns past the bitmask's ``words * 32`` are masked too.
     On CPU each row's forbidden tokens come from :mod:`shim_adapters.mask_expansion` (the
-    row's bytes looked up, one ``masked_fill_``: inside ``generate`` 5-7 µs where unpacking
-    with numpy costs 20-25 µs at a 1k vocabulary); rows too wide to cache are unpacked with
+    row's bytes looked up, one ``masked_fill_``: inside ``generate`` 5-11 µs where unpacking
+    with numpy costs 20-49 µs at a 1k vocabulary, ``benchmarks/cold_ops.py``); rows too wide
+    to cache are unpacked with
     numpy and written with one ``copyto``, measured 1.1-5.6x cheaper than XGrammar's CPU
     kernel on real bv4 and json masks (``benchmarks/apply_kernel.py``) and 1.8-3x cheaper
     than the torch bit operations (:func:`apply_token_bitmask_torch_`) used on other devices.
@@ -237,7 +238,8 @@ class EmptyRowCheck:
     """:func:`numpy_first_empty_row` of one preallocated bitmask, asked once per decoding
     step. Up to :data:`MEMCMP_ROWS` rows it compares each row's full words with zero bytes
     through a memoryview: inside ``generate`` (caches cold after the LM's forward pass)
-    numpy's reduction costs 8-11 µs and a bytes comparison 1-1.5 µs."""
+    numpy's reduction costs 8-25 µs and a bytes comparison 1-3 µs
+    (``benchmarks/cold_ops.py``)."""
 
     def __init__(self, words: np.ndarray, vocab_size: int):
         self.words = words

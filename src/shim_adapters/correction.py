@@ -74,9 +74,10 @@ class ShimAdjuster:
         if (len(states) == 1 and cache.dense and not exact and scores.is_cpu
                 and scores.dtype is torch.float32 and scores.dim() == 2):
             # batch 1: one torch add of the entry's row (inside generate torch's kernels are
-            # warm after the LM's forward pass and numpy's are not: 3-4 µs against 7-9 for
-            # numpy's add with the logits' numpy view). At batch 16 numpy's gather-add below
-            # measured cheaper, so batches take it.
+            # warm after the LM's forward pass and numpy's are not: 3-5 µs against 7-12 for
+            # numpy's add with the logits' numpy view, benchmarks/cold_ops.py). At batch 16
+            # numpy's gather-add below measured cheaper end to end than torch's
+            # index_select + add_, so batches take it.
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
             width = scores.shape[1]

@@ -216,7 +216,8 @@ class Masker(abc.ABC):
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """Mask ``logits`` (batch, vocab) in place with a packed bitmask (batch, words).
 
-        The default is the core's torch kernel; a backend may hand in its own."""
+        The default is the core's kernel (:func:`shim_adapters.bitmask.apply_token_bitmask_`);
+        a backend may hand in its own."""
         from .bitmask import apply_token_bitmask_
 
         apply_token_bitmask_(logits, bitmask)

@@ -379,11 +379,11 @@ class XGrammarMasker(Masker):
                 state._finished = True
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
-        """XGrammar's own kernel on an accelerator; on CPU the core's numpy kernel, which
-        measured 1.1-5.6x cheaper than XGrammar's CPU kernel on real masks
-        (``benchmarks/apply_kernel.py``; both set exactly the same logits to -inf) and stays
-        inside each row (XGrammar 0.2.9's writes past it at some widths:
-        docs/upstream-reports.md)."""
+        """XGrammar's own kernel on an accelerator; on CPU the core's kernel
+        (:func:`shim_adapters.bitmask.apply_token_bitmask_`), which measured cheaper than
+        XGrammar's CPU kernel, warm (1.1-5.5x, ``benchmarks/apply_kernel.py``) and inside
+        ``generate`` (``benchmarks/cold_ops.py``), and stays inside each row (XGrammar
+        0.2.9's writes past it at some widths: docs/upstream-reports.md)."""
         if logits.is_cpu:
             apply_token_bitmask_(logits, bitmask)
         else:
