@@ -212,3 +212,27 @@ def test_batch_one_torch_add_follows_the_table_as_it_grows_and_shrinks(setups):
             assert cache.width == masker.vocab_size  # widened: one add of a whole row
         for entry in cache._by_encoding.values():
             assert entry.row.data_ptr() == cache.table_tensor[entry.slot].data_ptr()
+
+
+def test_widened_cache_keeps_the_torch_path_in_step(setups):
+    """Widening the table (batch 1, float32) after the torch path (bfloat16 logits) built its
+    column index leaves that path correct: the index follows the table's columns."""
+    masker, _, ctrl = setups["bv4"]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    adj.cache.clear()
+    states = [_walk(masker, [i, 2 * i + 1]) for i in range(2)]
+    allowed = [s.allowed_token_ids() for s in states]
+    expected = adj.log_gamma(states, allowed)
+
+    def check():
+        scores = torch.zeros((2, masker.vocab_size), dtype=torch.bfloat16)
+        adj.add_log_gamma_(scores, states)
+        for r in range(2):
+            got = scores[r, allowed[r]].float().numpy()
+            np.testing.assert_allclose(got - got[0], expected[r] - expected[r][0], atol=0.05)
+
+    check()  # builds the column index at the table's first width
+    adj.add_log_gamma_(torch.zeros((1, masker.vocab_size)), [states[0]])
+    if adj.cache.dense:
+        assert adj.cache.width == masker.vocab_size
+    check()

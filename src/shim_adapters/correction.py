@@ -53,7 +53,7 @@ class ShimAdjuster:
     def _scored_index(self, device: torch.device) -> torch.Tensor:
         """The token id of each γ-cache table column, on ``device``."""
         index = self._index.get(device)
-        if index is None:
+        if index is None or len(index) != len(self.cache.columns):  # new, or the cache widened
             index = self._index[device] = torch.from_numpy(self.cache.columns).to(device)
         return index
 

@@ -285,7 +285,9 @@ class XGrammarMasker(Masker):
 
     def fill_next_token_bitmasks(self, states, bitmask, rows) -> None:
         """XGrammar's fill (one batched call for a batch), then the fix-ups of
-        :meth:`XGrammarState._fix_up`: row by row for a few rows, with array ops for a
+        :meth:`XGrammarState._fix_up`: row by row, word by word through the bitmask's
+        memoryview when the masker has at most ``_ITEM_FIX_WORDS`` words to fix (every
+        tokenizer measured); otherwise row by row for a few rows and with array ops for a
         batch."""
         words = _numpy_view(bitmask)
         items = word_items(words) if self._fix_scalars is not None else None
@@ -366,7 +368,8 @@ class XGrammarMasker(Masker):
             if (state._finished or not 0 <= token_id < size or token_id in special
                     or after is None or not state._matcher.accept_token(token_id)):
                 raise state._forbidden(token_id)
-            # _note_accepted, inlined (the trie's usual case: the child exists)
+            # XGrammarState._note_accepted, inlined (keep the two in step); the trie's usual
+            # case: the child exists
             state._guard_states = after
             state._token_ids.append(token_id)
             node = state._node
@@ -438,10 +441,11 @@ def _position_free_key(dump: str) -> str:
     """The feature key of a dump, as one ``str``: its items without their start offsets, then
     the offsets' rank order (0 = innermost; the usual innermost-first layout is written as the
     item count); the header's step count is dropped. A ``str`` caches its hash, so the γ
-    cache's lookup of a key the trie serves costs no hashing. No loop over items: inside ``generate`` a new state's key is built with caches cold, where the cost
-    follows the bytecodes run (a loop over items measured 28-37 µs there, 5 µs warm). The
-    same partition of states as :func:`_position_free_key_regex` (the reference; tested).
-    One regex split (texts and offsets alternate) and C-level maps: no Python loop."""
+    cache's lookup of a key the trie serves costs no hashing. One regex split (texts and
+    offsets alternate) and C-level maps, no Python loop over items: inside ``generate`` a new
+    state's key is built with caches cold, where the cost follows the bytecodes run (a loop
+    over items measured 28-37 µs there, 5 µs warm). The same partition of states as
+    :func:`_position_free_key_regex` (the reference; tested)."""
     cut = dump.find(" steps", 10) if dump.startswith("There are ") else -1
     body = dump[cut:] if cut > 0 and dump[10:cut].isdigit() else dump
     parts = _START_POS.split(body)
