@@ -13,7 +13,7 @@ XGrammar's fill of that grammar, with the masker's fix-ups (control tokens, logi
 exactly where the matcher completes, the byte guards of ``byte_guards.py``), and the features
 are read from the matcher that masks. The processor itself is not called: it would advance a
 second set of matchers of the same grammar on the same tokens, which earlier versions of this
-wrapper did (and compared the two masks word by word) at 1.07-1.19x the end-to-end time of
+wrapper did (and compared the two masks word by word) at 1.04-1.21x the end-to-end time of
 XGrammar's processor alone with the shipped LM (``benchmarks/gamma_mask_cost.md``).
 
 XGrammar's processor is single-use (it keeps its matchers after ``generate``), so a processor
