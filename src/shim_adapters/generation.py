@@ -33,6 +33,10 @@ class LogitAdjuster(Protocol):
         """For row i: a float array aligned with ``allowed[i]`` (token ids), finite values."""
 
 
+#: ``_apply_adjuster``'s default: the live rows are not known yet.
+_UNKNOWN = object()
+
+
 class MaskedLogitsProcessor(LogitsProcessor):
     """Constrains each row to its masker state; optionally applies SHIM's log γ̂.
 
@@ -110,7 +114,7 @@ class MaskedLogitsProcessor(LogitsProcessor):
         if bitmask is None or self._words_for is not masker or len(self._words) != len(states):
             bitmask = self._allocate(masker, len(states))
         words = self._words
-        live = self._live_rows()
+        live = self._live = self._live_rows()  # γ's add reuses it (same call)
         if live is None:  # the usual case: every row live, in order
             masker.fill_next_token_bitmasks(states, bitmask, range(len(states)))
         else:
@@ -163,16 +167,18 @@ class MaskedLogitsProcessor(LogitsProcessor):
             # γ first, then the mask: the mask sets every forbidden token to -inf whatever was
             # added, and the γ add runs before the kernel has swept the logits through the
             # cache (measured: the same add costs several times more right after it)
-            self._apply_adjuster(scores)
+            self._apply_adjuster(scores, live=self._live)
             masker.apply_token_bitmask_(scores, bitmask)
         else:
             masker.apply_token_bitmask_(scores, bitmask)
-            self._apply_adjuster(scores)
+            self._apply_adjuster(scores, live=self._live)
         return scores
 
-    def _apply_adjuster(self, scores: torch.FloatTensor,
-                        mask: torch.Tensor | None = None) -> torch.FloatTensor:
-        live = self._live_rows()
+    def _apply_adjuster(self, scores: torch.FloatTensor, mask: torch.Tensor | None = None,
+                        live: list[int] | None | object = _UNKNOWN) -> torch.FloatTensor:
+        """γ for the live rows; ``live``: :meth:`_live_rows` as the call's fill computed it."""
+        if live is _UNKNOWN:
+            live = self._live_rows()
         if live is None:
             states, live = self.states, range(len(self.states))
         elif not live:

@@ -364,14 +364,14 @@ class ShimWrapper(MaskedLogitsProcessor):
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)
         elif self.adjuster is not None:  # γ, then the mask (as MaskedLogitsProcessor)
-            self._apply_adjuster(scores)
+            self._apply_adjuster(scores, live=self._live)
             self._apply_mask(scores, bitmask)
             return scores
         self._apply_mask(scores, bitmask)
         if dense_check:
             self._check_not_empty(scores)
         if self.adjuster is not None:
-            self._apply_adjuster(scores)
+            self._apply_adjuster(scores, live=self._live)
         return scores
 
     def _apply_mask(self, scores: torch.FloatTensor, bitmask: torch.Tensor) -> None:
