@@ -15,7 +15,14 @@ phases in the same loop on the same states:
 - ``γ hit``: ``ShimAdjuster.add_log_gamma_`` on steps where every row hit the warm γ cache;
   ``γ step``: the same over every timed step (misses included);
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
-- ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row).
+- ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row);
+- ``summed``: γ and the mask in one add (``ShimAdjuster.add_masked_log_gamma_``, what the
+  processors do on CPU at a narrow vocabulary: :mod:`shim_adapters.masked_gamma`), against
+  ``two-pass``: ``γ step`` + the plugin's mask apply on the same step. ``γ in summed`` is what
+  γ adds to the processor there: ``summed`` minus the plugin's mask apply (p50 each). The
+  summed and two-pass paths alternate which runs first each step (the second finds the
+  state's key in the trie) and each is reported over the steps where it ran first; so are
+  ``γ hit`` and ``γ step``.
 
 The caches (γ and XGrammar's token-prefix key trie) are warmed on one set of masked samples
 and the steps timed on a second, fresh set, so a hit pays the state dump wherever the
@@ -100,7 +107,9 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
     # not a multiple of 32 (GPT-2's; docs/upstream-reports.md)
     spare = torch.empty((batch + 1) * width)[:batch * width].view(batch, width)
     times = {k: [] for k in ("xgr own", "xgr apply", "core apply", "plugin mask", "γ hit",
-                             "γ step", "γ miss", "γ old")}
+                             "γ step", "γ miss", "γ old", "summed", "two-pass",
+                             "plugin apply")}
+    step_no = 0
     hit_info = trie_info = None
     adjuster.cache.clear()
     clear_trie = getattr(masker, "clear_key_trie", None)
@@ -142,22 +151,40 @@ def time_batch(masker, adjuster, warm_seqs, seqs, batch):
             t3 = time.perf_counter()
             # γ, cache as it is (first pass: cold, timed pass: warm from the first), before
             # the mask as the processors do (the mask sets forbidden tokens to -inf after)
+            summed_first = step_no % 2 == 0
+            step_no += 1
+            summed = base.clone()
+            if summed_first:
+                ts0 = time.perf_counter()
+                used_summed = adjuster.add_masked_log_gamma_(summed, states, None, bitmask)
+                ts1 = time.perf_counter()
             missed = adjuster.cache.misses + adjuster.cache.encoding_hits
             before = masker.key_trie_info() if clear_trie else {}
             t4 = time.perf_counter()
             adjuster.add_log_gamma_(logits, states)
             t5 = time.perf_counter()
-            if timed and clear_trie is not None:  # keys of this call only (not the miss path)
+            if timed and clear_trie is not None and not summed_first:  # keys of this call only
                 after = masker.key_trie_info()
                 trie_counts[0] += after["served"] - before["served"]
                 trie_counts[1] += after["dumped"] - before["dumped"]
+            tm0 = time.perf_counter()
             masker.apply_token_bitmask_(logits, bitmask)
+            tm1 = time.perf_counter()
+            if not summed_first:
+                ts0 = time.perf_counter()
+                used_summed = adjuster.add_masked_log_gamma_(summed, states, None, bitmask)
+                ts1 = time.perf_counter()
             if timed:
                 times["xgr apply"].append(ta - t1)
                 times["core apply"].append(tc - tb)
-                times["γ step"].append(t5 - t4)
-                if adjuster.cache.misses + adjuster.cache.encoding_hits == missed:
-                    times["γ hit"].append(t5 - t4)  # every row of the step hit
+                times["plugin apply"].append(tm1 - tm0)
+                if summed_first and used_summed:
+                    times["summed"].append(ts1 - ts0)
+                if not summed_first:
+                    times["γ step"].append(t5 - t4)
+                    times["two-pass"].append(t5 - t4 + tm1 - tm0)
+                    if adjuster.cache.misses + adjuster.cache.encoding_hits == missed:
+                        times["γ hit"].append(t5 - t4)  # every row of the step hit
                 # miss path: the same step with an empty γ cache (encoder caches warm)
                 warm = adjuster.cache
                 adjuster.cache = GammaCache(warm.controller, damped=warm.damped)
@@ -225,6 +252,8 @@ def main() -> None:
     head = ("| tokenizer | vocab | grammar | batch | xgr fill+accept p50 | plugin fill+advance "
             "p50 | xgr apply p50 | core apply p50 | γ hit p50 | γ hit p99 | γ step p50 | "
             "γ miss p50 | γ old p50 | γ hit / xgr fill+accept | γ step / xgr fill+accept | "
+            "two-pass p50 | summed p50 | summed p99 | γ in summed p50 | "
+            "γ in summed / xgr fill+accept | "
             "all-hit steps | trie served | hit rate | head-skip rate | cache KiB |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     with threadpool_limits(limits=1):
@@ -252,6 +281,10 @@ def main() -> None:
                     own_p50 = pct(times["xgr own"], 50)
                     hit_p50 = pct(times["γ hit"], 50) if times["γ hit"] else float("nan")
                     step_p50 = pct(times["γ step"], 50)
+                    nan = float("nan")
+                    summed_p50 = pct(times["summed"], 50) if times["summed"] else nan
+                    summed_p99 = pct(times["summed"], 99) if times["summed"] else nan
+                    in_summed = summed_p50 - pct(times["plugin apply"], 50)
                     lines.append(
                         f"| {tname} | {width} | {gname} | {batch} | {own_p50:.1f} | "
                         f"{pct(times['plugin mask'], 50):.1f} | "
@@ -261,6 +294,8 @@ def main() -> None:
                         f"{step_p50:.1f} | {pct(times['γ miss'], 50):.1f} | "
                         f"{pct(times['γ old'], 50):.1f} | {hit_p50 / own_p50:.2f} | "
                         f"{step_p50 / own_p50:.2f} | "
+                        f"{pct(times['two-pass'], 50):.1f} | {summed_p50:.1f} | "
+                        f"{summed_p99:.1f} | {in_summed:.1f} | {in_summed / own_p50:.2f} | "
                         f"{len(times['γ hit']) / len(times['γ step']):.2f} | "
                         f"{trie['served']:.2f} | "
                         f"{info['hit_rate']:.2f} | {info['head_skip_rate']:.2f} | "

@@ -8,10 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shim_adapters.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from shim_adapters.controller import LR_FULL, MLP
 from shim_adapters.correction import ShimAdjuster, ShimLogitsProcessor, sample_with_shim
 from shim_adapters.generation import MaskedLogitsProcessor
 from shim_adapters.grammar import builtin_grammar
+from shim_adapters.masked_gamma import MaskedGammaRows
 from shim_adapters.plugins import get_backend
 from shim_adapters.reference import reference_acceptor
 from shim_adapters.training_data import sample_training_data
@@ -236,3 +238,78 @@ def test_widened_cache_keeps_the_torch_path_in_step(setups):
     if adj.cache.dense:
         assert adj.cache.width == masker.vocab_size
     check()
+
+
+def _two_pass(adj, states, rows, scores, bitmask):
+    """The reference for the summed rows: γ's add, then the core's mask kernel."""
+    adj.add_log_gamma_(scores, states, rows)
+    return apply_token_bitmask_(scores, bitmask)
+
+
+@pytest.mark.parametrize("grammar", sorted(CASES))
+def test_summed_gamma_and_mask_equal_the_two_passes(setups, grammar):
+    """One add of the cached (γ entry, mask) rows gives exactly γ's add followed by the mask,
+    at batch 1 and for a batch with rows left out (masked only), on misses and on hits."""
+    masker, _, ctrl = setups[grammar]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    adj.cache.clear()
+    states = [_walk(masker, [i, 3 * i + 1, 7 * i]) for i in range(6)]
+    rows = [0, 2, 3, 5]  # rows 1 and 4: masked only (as finished rows are)
+    bitmask = allocate_token_bitmask(len(states), masker.vocab_size)
+    masker.fill_next_token_bitmasks(states, bitmask, range(len(states)))
+    generator = torch.Generator().manual_seed(7)
+    for attempt in ("miss", "hit"):
+        for batch_rows, batch_states, mask in (
+                (rows, [states[r] for r in rows], bitmask),
+                (None, states[:1], bitmask[:1])):
+            scores = torch.randn((len(mask), masker.vocab_size), generator=generator)
+            expected = _two_pass(adj, batch_states, batch_rows, scores.clone(), mask)
+            assert adj.add_masked_log_gamma_(scores, batch_states, batch_rows, mask)
+            assert torch.equal(torch.isneginf(scores), torch.isneginf(expected))
+            finite = ~torch.isneginf(expected)
+            torch.testing.assert_close(scores[finite], expected[finite], atol=1e-5, rtol=0)
+    info = adj.cache_info()
+    assert info["masked_rows"] > 0 and info["masked_rows_bytes"] > 0
+
+
+def test_non_finite_logits_take_the_two_pass_path(setups):
+    """+inf or NaN at a forbidden token would become NaN in the summed add (and greedy's
+    argmax picks a NaN): such a batch is left to the two passes, which write -inf there."""
+    masker, _, ctrl = setups["binary5"]
+    state = _walk(masker, [1, 2])
+    forbidden = np.flatnonzero(~state.allowed_mask())
+    prompt = torch.zeros((1, 3), dtype=torch.long)
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    for bad in (float("inf"), float("nan")):
+        scores = torch.randn((1, masker.vocab_size))
+        scores[0, forbidden[:3]] = bad
+        bitmask = allocate_token_bitmask(1, masker.vocab_size)
+        state.fill_next_token_bitmask(bitmask, 0)
+        assert not adj.add_masked_log_gamma_(scores.clone(), [state], None, bitmask)
+        out = ShimLogitsProcessor([state.fork()], ctrl["LR_FULL"])(prompt, scores)
+        assert torch.isneginf(out[0, forbidden]).all()
+        assert not torch.isnan(out).any()
+
+
+def test_summed_rows_respect_their_memory_bound(setups):
+    """Past the bound the summed rows start over (and are rebuilt, still exact)."""
+    masker, _, ctrl = setups["bv4"]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(12)]
+    bitmask = allocate_token_bitmask(1, masker.vocab_size)
+    cache = adj.cache
+    small = MaskedGammaRows(masker.vocab_size, bitmask.shape[1],
+                            max_bytes=3 * (4 * masker.vocab_size + 4 * bitmask.shape[1] + 150))
+    for state in states + states:
+        masker.fill_next_token_bitmasks([state], bitmask, [0])
+        (entry,) = cache.entries([state])
+        scores = torch.randn((1, masker.vocab_size))
+        expected = _two_pass(adj, [state], None, scores.clone(), bitmask)
+        small.add_(scores, scores.numpy(), bitmask.numpy(), [entry], cache.table)
+        assert torch.equal(torch.isneginf(scores), torch.isneginf(expected))
+        finite = ~torch.isneginf(expected)
+        torch.testing.assert_close(scores[finite], expected[finite], atol=1e-5, rtol=0)
+    info = small.info()
+    assert info["resets"] >= 1 and info["rows"] <= 3 and info["bytes"] <= small.max_bytes
+    with pytest.raises(ValueError, match="cannot hold"):
+        MaskedGammaRows(masker.vocab_size, 1)

@@ -166,6 +166,37 @@ class ShimAdjuster:
             scores.add_(shared.to(device=scores.device, dtype=scores.dtype)[:, None])
         return scores
 
+    def add_masked_log_gamma_(self, scores: torch.Tensor, states: Sequence[MaskerState],
+                              rows: Sequence[int] | None, bitmask: torch.Tensor) -> bool:
+        """:meth:`add_log_gamma_` and the packed ``bitmask``'s mask in one add of cached
+        summed rows (:mod:`shim_adapters.masked_gamma`); rows not in ``rows`` (None: every
+        row) are masked only. True when done; False, with ``scores`` untouched, where the sum
+        is not exact or does not pay (wide or non-float32 logits, a sparse γ table, a
+        non-finite logit): then the caller adds γ and masks."""
+        cache = self.cache
+        if (not cache.dense or cache.state_free or not scores.is_cpu or scores.dim() != 2
+                or scores.dtype is not torch.float32 or not bitmask.is_cpu
+                or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
+                or scores.requires_grad):
+            return False
+        masked = cache.masked_rows(scores.shape[1], bitmask.shape[1])
+        if masked is None or not float(scores.max()) < float("inf"):  # +inf or NaN: exact path
+            return False
+        try:
+            view = numpy_view(scores)
+        except (TypeError, RuntimeError):
+            return False
+        entries = [cache.entry(states[0])] if len(states) == 1 else cache.entries(states)
+        if rows is not None and len(rows) != len(scores):
+            per_row = [None] * len(scores)
+            for r, entry in zip(rows, entries):
+                per_row[r] = entry
+            entries = per_row
+        elif len(entries) != len(scores):
+            raise ValueError(f"{len(states)} states for {len(scores)} rows")
+        masked.add_(scores, view, numpy_view(bitmask), entries, cache.table)
+        return True
+
     def cache_info(self) -> dict[str, float]:
         """The γ cache's hit rates and memory (see :meth:`GammaCache.info`)."""
         return self.cache.info()

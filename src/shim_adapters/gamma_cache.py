@@ -28,6 +28,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
+from .masked_gamma import MAX_WIDTH, MaskedGammaRows
 from .protocol import MaskerState
 
 #: Default bound on the memory of cached corrections.
@@ -93,6 +94,7 @@ class GammaCache:
         self._table_t = torch.from_numpy(self._table)
         self._free: list[int] = list(range(3, -1, -1))
         self._constant: GammaEntry | None = None
+        self._masked: dict[tuple[int, int], MaskedGammaRows] = {}
         self.lookups = self.encoding_hits = self.misses = 0
 
     # ---- lookup ----------------------------------------------------------------------------
@@ -296,6 +298,16 @@ class GammaCache:
         self._set_table(table)
         self._free = list(range(size - 1, len(live) - 1, -1))
 
+    def masked_rows(self, width: int, words_per_row: int) -> MaskedGammaRows | None:
+        """The entries' values summed with masks (:mod:`shim_adapters.masked_gamma`) for
+        logits ``width`` wide, or None where that does not pay (a sparse table, wide logits)."""
+        rows = self._masked.get((width, words_per_row))
+        if rows is None:
+            if not self.dense or width > MAX_WIDTH:
+                return None
+            rows = self._masked[(width, words_per_row)] = MaskedGammaRows(width, words_per_row)
+        return rows
+
     # ---- reporting -------------------------------------------------------------------------
     def clear(self) -> None:
         for entry in self._by_encoding.values():
@@ -309,6 +321,7 @@ class GammaCache:
         self._table_t = torch.from_numpy(self._table)
         self._free = list(range(3, -1, -1))
         self._constant = None
+        self._masked.clear()
         self.lookups = self.encoding_hits = self.misses = 0
 
     def info(self) -> dict[str, float]:
@@ -322,7 +335,9 @@ class GammaCache:
                 else float("nan"),
                 "keys": self._n_keys, "entries": len(self._by_encoding),
                 "bytes": self._live_bytes(), "table_bytes": self._table.nbytes,
-                "max_bytes": self.max_bytes}
+                "max_bytes": self.max_bytes,
+                "masked_rows": sum(m.info()["rows"] for m in self._masked.values()),
+                "masked_rows_bytes": sum(m.info()["bytes"] for m in self._masked.values())}
 
 
 def shared_gamma_cache(controller, damped: bool = True,

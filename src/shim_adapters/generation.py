@@ -163,6 +163,9 @@ class MaskedLogitsProcessor(LogitsProcessor):
         adjuster = self.adjuster
         if adjuster is None:
             masker.apply_token_bitmask_(scores, bitmask)
+        elif hasattr(adjuster, "add_masked_log_gamma_") and adjuster.add_masked_log_gamma_(
+                scores, self._live_states(), self._live, bitmask):
+            pass  # γ and the mask in one add (CPU, narrow vocabulary, finite logits)
         elif hasattr(adjuster, "add_log_gamma_"):
             # γ first, then the mask: the mask sets every forbidden token to -inf whatever was
             # added, and the γ add runs before the kernel has swept the logits through the
@@ -173,6 +176,11 @@ class MaskedLogitsProcessor(LogitsProcessor):
             masker.apply_token_bitmask_(scores, bitmask)
             self._apply_adjuster(scores, live=self._live)
         return scores
+
+    def _live_states(self) -> Sequence[MaskerState]:
+        """The states of :meth:`_live_rows` as the call's fill computed it."""
+        live = self._live
+        return self.states if live is None else [self.states[i] for i in live]
 
     def _apply_adjuster(self, scores: torch.FloatTensor, mask: torch.Tensor | None = None,
                         live: list[int] | None | object = _UNKNOWN) -> torch.FloatTensor:

@@ -364,6 +364,10 @@ class ShimWrapper(MaskedLogitsProcessor):
         if self.backend is not None:
             self._agree(bitmask, scores, was_neginf)
         elif self.adjuster is not None:  # γ, then the mask (as MaskedLogitsProcessor)
+            if (type(self)._apply_mask is ShimWrapper._apply_mask
+                    and self.adjuster.add_masked_log_gamma_(scores, self._live_states(),
+                                                            self._live, bitmask)):
+                return scores  # γ and the mask in one add (CPU, narrow vocabulary)
             self._apply_adjuster(scores, live=self._live)
             self._apply_mask(scores, bitmask)
             return scores
