@@ -182,10 +182,6 @@ class ShimAdjuster:
         masked = cache.masked_rows(scores.shape[1], bitmask.shape[1])
         if masked is None or not float(scores.max()) < float("inf"):  # +inf or NaN: exact path
             return False
-        try:
-            view = numpy_view(scores)
-        except (TypeError, RuntimeError):
-            return False
         entries = [cache.entry(states[0])] if len(states) == 1 else cache.entries(states)
         if rows is not None and len(rows) != len(scores):
             per_row = [None] * len(scores)
@@ -194,7 +190,7 @@ class ShimAdjuster:
             entries = per_row
         elif len(entries) != len(scores):
             raise ValueError(f"{len(states)} states for {len(scores)} rows")
-        masked.add_(scores, view, numpy_view(bitmask), entries, cache.table)
+        masked.add_(scores, numpy_view(bitmask), entries, cache.table)
         return True
 
     def cache_info(self) -> dict[str, float]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .bitmask import numpy_view
+
 #: Widest logits the summed rows are kept for (columns; 32 KiB of float32 per row).
 MAX_WIDTH = 8192
 #: Default memory bound of one width's rows (floats and keys).
@@ -48,10 +50,10 @@ class MaskedGammaRows:
         self._table = np.empty((8, self.width), dtype=np.float32)
         self._table_t = torch.from_numpy(self._table)
 
-    def add_(self, scores: torch.Tensor, view: np.ndarray, words: np.ndarray, entries,
+    def add_(self, scores: torch.Tensor, words: np.ndarray, entries,
              gamma_table: np.ndarray) -> None:
-        """``scores[r] += row(entries[r], words[r])`` for every batch row ``r`` (``view``:
-        ``scores``' numpy view; ``entries[r]``: a :class:`~shim_adapters.gamma_cache.GammaEntry`
+        """``scores[r] += row(entries[r], words[r])`` for every batch row ``r`` of the CPU
+        float32 ``scores`` (``entries[r]``: a :class:`~shim_adapters.gamma_cache.GammaEntry`
         whose values are ``gamma_table[entry.slot]``, or None for mask only)."""
         step = 4 * self.words_per_row
         data = memoryview(words).cast("B")
@@ -74,6 +76,9 @@ class MaskedGammaRows:
             else:
                 self.hits += 1
             slots.append(i)
+        # a batch: one numpy gather-add (measured cheaper inside generate than torch's
+        # index_select + add_)
+        view = numpy_view(scores)
         view += self._table[slots]
 
     def _build(self, key: tuple, gamma_table: np.ndarray) -> int:
