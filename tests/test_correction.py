@@ -251,25 +251,36 @@ def test_summed_gamma_and_mask_equal_the_two_passes(setups, grammar):
     """One add of the cached (γ entry, mask) rows gives exactly γ's add followed by the mask,
     at batch 1 and for a batch with rows left out (masked only), on misses and on hits."""
     masker, _, ctrl = setups[grammar]
-    adj = ShimAdjuster(ctrl["LR_FULL"])
-    adj.cache.clear()
     states = [_walk(masker, [i, 3 * i + 1, 7 * i]) for i in range(6)]
     rows = [0, 2, 3, 5]  # rows 1 and 4: masked only (as finished rows are)
     bitmask = allocate_token_bitmask(len(states), masker.vocab_size)
     masker.fill_next_token_bitmasks(states, bitmask, range(len(states)))
     generator = torch.Generator().manual_seed(7)
-    for attempt in ("miss", "hit"):
-        for batch_rows, batch_states, mask in (
-                (rows, [states[r] for r in rows], bitmask),
-                (None, states[:1], bitmask[:1])):
-            scores = torch.randn((len(mask), masker.vocab_size), generator=generator)
-            expected = _two_pass(adj, batch_states, batch_rows, scores.clone(), mask)
-            assert adj.add_masked_log_gamma_(scores, batch_states, batch_rows, mask)
-            assert torch.equal(torch.isneginf(scores), torch.isneginf(expected))
-            finite = ~torch.isneginf(expected)
-            torch.testing.assert_close(scores[finite], expected[finite], atol=1e-5, rtol=0)
-    info = adj.cache_info()
-    assert info["masked_rows"] > 0 and info["masked_rows_bytes"] > 0
+    # the default bound, and one that keeps only the current step's γ entries (an evicted
+    # entry's summed rows are found again by its encoded state, and must still be its values)
+    others = [_walk(masker, [i + 40, 2 * i + 9, 5 * i]) for i in range(8)]
+    distinct = len({e.ekey for e in ShimAdjuster(ctrl["LR_FULL"]).cache.entries(states)})
+    for bound in (None, 1):
+        adj = (ShimAdjuster(ctrl["LR_FULL"]) if bound is None
+               else ShimAdjuster(ctrl["LR_FULL"], cache_bytes=bound))
+        adj.cache.clear()
+        for attempt in ("miss", "hit"):
+            for batch_rows, batch_states, mask in (
+                    (rows, [states[r] for r in rows], bitmask),
+                    (None, states[:1], bitmask[:1])):
+                scores = torch.randn((len(mask), masker.vocab_size), generator=generator)
+                expected = _two_pass(adj, batch_states, batch_rows, scores.clone(), mask)
+                for other in others:  # other states in between (evictions)
+                    adj.cache.entries([other])
+                assert adj.add_masked_log_gamma_(scores, batch_states, batch_rows, mask)
+                assert torch.equal(torch.isneginf(scores), torch.isneginf(expected))
+                finite = ~torch.isneginf(expected)
+                torch.testing.assert_close(scores[finite], expected[finite], atol=1e-5,
+                                           rtol=0)
+        info = adj.cache_info()
+        assert info["masked_rows"] > 0 and info["masked_rows_bytes"] > 0
+        if bound is not None:
+            assert info["misses"] > distinct  # entries were evicted and computed again
 
 
 def test_non_finite_logits_take_the_two_pass_path(setups):

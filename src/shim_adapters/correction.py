@@ -174,7 +174,7 @@ class ShimAdjuster:
         is not exact or does not pay (wide or non-float32 logits, a sparse γ table, a
         non-finite logit): then the caller adds γ and masks."""
         cache = self.cache
-        if (not cache.dense or cache.state_free or not scores.is_cpu or scores.dim() != 2
+        if (not cache.dense or not scores.is_cpu or scores.dim() != 2
                 or scores.dtype is not torch.float32 or not bitmask.is_cpu
                 or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
                 or scores.requires_grad):

@@ -33,7 +33,12 @@ _KEY_OVERHEAD = 150  # dict slot, key tuple, bytes object header
 class MaskedGammaRows:
     """Summed rows for logits ``width`` columns wide and masks of ``words_per_row`` int32
     words (XGrammar's layout): :meth:`add_` adds, for each batch row, its γ entry's values
-    (none for a row without correction) and -inf where its mask forbids."""
+    (none for a row without correction) and -inf where its mask forbids.
+
+    A row is keyed on the entry's encoded state (``GammaEntry.ekey``, which determines its
+    values: the γ cache shares one entry per encoding) and the mask's bytes, so it stays valid
+    when the γ cache evicts the entry and computes it again, and holds no entry (whose row
+    view would keep a reallocated γ table alive)."""
 
     def __init__(self, width: int, words_per_row: int, max_bytes: int = DEFAULT_MAX_BYTES):
         if not 1 <= width <= words_per_row * 32:
@@ -59,20 +64,21 @@ class MaskedGammaRows:
         data = memoryview(words).cast("B")
         index = self._index
         if len(entries) == 1:  # batch 1: one torch add (warm after the LM's forward pass)
-            key = (entries[0], data[:step].tobytes())
+            entry = entries[0]
+            key = (None if entry is None else entry.ekey, data[:step].tobytes())
             i = index.get(key)
             if i is None:
-                i = self._build(key, gamma_table)
+                i = self._build(key, entry, gamma_table)
             else:
                 self.hits += 1
             scores.add_(self._table_t[i])
             return
         slots = []
         for r, entry in enumerate(entries):
-            key = (entry, data[r * step:(r + 1) * step].tobytes())
+            key = (None if entry is None else entry.ekey, data[r * step:(r + 1) * step].tobytes())
             i = index.get(key)
             if i is None:
-                i = self._build(key, gamma_table)
+                i = self._build(key, entry, gamma_table)
             else:
                 self.hits += 1
             slots.append(i)
@@ -81,8 +87,8 @@ class MaskedGammaRows:
         view = numpy_view(scores)
         view += self._table[slots]
 
-    def _build(self, key: tuple, gamma_table: np.ndarray) -> int:
-        entry, packed = key
+    def _build(self, key: tuple, entry, gamma_table: np.ndarray) -> int:
+        packed = key[1]
         if len(packed) != 4 * self.words_per_row:
             raise ValueError(f"a packed row of {self.words_per_row} words has "
                              f"{4 * self.words_per_row} bytes, got {len(packed)}")
