@@ -353,6 +353,35 @@ class XGrammarMasker(Masker):
                 if len(index):
                     words[row, index] &= keep
 
+    def feature_keys(self, states) -> list:
+        """Each state's :meth:`XGrammarState.feature_key`, in one loop for this masker's
+        plain states (a batch's keys are per-row Python overhead around the dump)."""
+        trie, memo = self._trie, self._key_memo
+        if self._key_mode != 1 or trie is None:
+            return [state.feature_key() for state in states]
+        keys = []
+        append = keys.append
+        for state in states:
+            if type(state) is not XGrammarState or state.masker is not self or state._finished:
+                append(state.feature_key())
+                continue
+            node = state._node
+            if node is not None and node.key is not None:
+                trie.served += 1
+                append(node.key)
+                continue
+            dump = state._matcher._debug_print_internal_state()
+            key = memo.get(dump)
+            if key is None:
+                if len(memo) >= _KEY_MEMO_SIZE:
+                    memo.clear()
+                key = memo[dump] = _position_free_key(dump)
+            if node is not None:
+                node.key = key
+                trie.dumped += 1
+            append(key)
+        return keys
+
     def advance_states(self, states, token_ids) -> None:
         """``advance`` of each row, inlined for this masker's plain states (a batch's step is
         per-row Python overhead around XGrammar's accept). XGrammar's ``batch_accept_token``
