@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from grammar_sampling import GrammarSampler
+from shim_adapters.bitmask import allocate_token_bitmask, bitmask_to_bool
 from shim_adapters.errors import ForbiddenTokenError, GrammarError, UnsupportedGrammarError
 from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 from shim_adapters.plugins import get_backend
@@ -493,6 +495,40 @@ def test_advance_states_is_each_rows_advance(compile_grammar):
     with pytest.raises(ForbiddenTokenError) as raised:
         masker.advance_states([a, b], [good, bad])
     assert raised.value.token_id == bad and a.token_ids == (good,) and b.token_ids == ()
+
+
+@pytest.mark.parametrize("batch", [2, 7])
+def test_fix_ups_word_by_word_and_by_slices_agree(compile_grammar, batch):
+    """The two fix-up paths (word by word through a memoryview, the usual case; slices for a
+    tokenizer with many words to fix) give the same bitmask, row by row and as a batch with
+    finished rows among live ones."""
+    masker = compile_grammar(builtin_grammar("json"))
+    rng = np.random.default_rng(8)
+    done = masker.new_state()  # a finished row
+    for token in masker.tokenizer.encode("{}", add_special_tokens=False):
+        done.advance(token)
+    done.advance(min(masker.eos_token_ids))
+    states = [done] + [masker.new_state() for _ in range(batch - 1)]
+    for step in range(12):
+        for state in states:
+            if not state.is_finished:
+                state.advance(int(rng.choice(state.allowed_token_ids())))
+        rows = list(range(batch))[::-1]
+        by_words = allocate_token_bitmask(batch, masker.vocab_size)
+        masker.fill_next_token_bitmasks(states, by_words, rows)
+        scalars = masker._fix_scalars
+        masker._fix_scalars = None  # as for a tokenizer with more than a few words to fix
+        try:
+            by_slices = allocate_token_bitmask(batch, masker.vocab_size)
+            masker.fill_next_token_bitmasks(states, by_slices, rows)
+        finally:
+            masker._fix_scalars = scalars
+        assert torch.equal(by_words, by_slices)
+        for state, row in zip(states, rows):
+            expected = np.zeros(masker.vocab_size, dtype=bool) if state.is_finished \
+                else state.allowed_mask()
+            assert np.array_equal(bitmask_to_bool(by_words[row:row + 1],
+                                                  masker.vocab_size)[0].numpy(), expected)
 
 
 def test_batch_feature_keys_are_each_rows_key(compile_grammar):

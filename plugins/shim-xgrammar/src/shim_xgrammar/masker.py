@@ -286,20 +286,19 @@ class XGrammarMasker(Masker):
         self._eos_word_bits = np.array([b for _, b in self._eos_words], dtype=np.int32)
 
     def fill_next_token_bitmasks(self, states, bitmask, rows) -> None:
-        """XGrammar's fill (one batched call for a batch), then the fix-ups of
-        :meth:`XGrammarState._fix_up`: row by row, word by word through the bitmask's
-        memoryview when the masker has at most ``_ITEM_FIX_WORDS`` words to fix (every
-        tokenizer measured); otherwise row by row for a few rows and with array ops for a
-        batch."""
+        """XGrammar's fill (one batched call for a batch), then :meth:`_fix_up_rows`: row by
+        row, word by word through the bitmask's memoryview when the masker has at most
+        ``_ITEM_FIX_WORDS`` words to fix (every tokenizer measured); otherwise row by row for
+        a few rows and with array ops for a batch."""
         words = _numpy_view(bitmask)
         items = word_items(words) if self._fix_scalars is not None else None
         if len(states) == 1 and type(states[0]) is XGrammarState:  # batch 1: no lists
             state, row = states[0], rows[0]
             if state.masker is self and not state._finished:
                 state._matcher.fill_next_token_bitmask(bitmask, row)
-                state._fix_up(words, row, items)
+                self._fix_up_rows(words, items, states, rows)
                 return
-        live, batched, batched_rows = [], [], []
+        live, live_rows, batched, batched_rows = [], [], [], []
         own_fill = XGrammarState._fill_raw
         for row, state in zip(rows, states):
             if state.masker is not self:  # another masker's state: its own fill
@@ -313,7 +312,8 @@ class XGrammarMasker(Masker):
                 batched_rows.append(row)
             else:  # a state whose mask comes from elsewhere (a wrapped processor's bitmask)
                 state._fill_raw(bitmask, row)
-            live.append((row, state))
+            live.append(state)
+            live_rows.append(row)
         if len(batched) == 1:
             batched[0].fill_next_token_bitmask(bitmask, batched_rows[0])
         elif batched:
@@ -321,66 +321,75 @@ class XGrammarMasker(Masker):
         if not live:
             return
         if items is not None or len(live) <= _ITEM_FIX_ROWS:
-            # a few words to fix, or a few rows: each row's own fix-up, word by word (inside
-            # generate cheaper than the array ops below, whose every call runs cold)
-            for row, state in live:
-                state._fix_up(words, row, items)
+            # a few words to fix, or a few rows: row by row, word by word (inside generate
+            # cheaper than the array ops below, whose every call runs cold)
+            self._fix_up_rows(words, items, live, live_rows)
             return
         # a batch: one gather of the EOS words, one slice op per run of fix-up words
-        first, last = live[0][0], live[-1][0] + 1
+        first, last = live_rows[0], live_rows[-1] + 1
         consecutive = last - first == len(live)
-        block = words[first:last] if consecutive else words[[row for row, _ in live]]
+        block = words[first:last] if consecutive else words[live_rows]
         raw = block[:, self._eos_word_ids] & self._eos_word_bits  # only the EOS words copied
-        completed = [live[i][0] for i in np.flatnonzero(raw.any(axis=1)).tolist()
-                     if live[i][1]._matcher.is_completed()]
+        completed = [live_rows[i] for i in np.flatnonzero(raw.any(axis=1)).tolist()
+                     if live[i]._matcher.is_completed()]
         if consecutive:
             for a, b, keep in self._fix_runs:
                 words[first:last, a:b] &= keep
         else:
-            for row, _ in live:
+            for row in live_rows:
                 for a, b, keep in self._fix_runs:
                     words[row, a:b] &= keep
         for row in completed:
             for w, bits in self._eos_words:
                 words[row, w] |= bits
-        start, guards = self._guard_start, self._guards
-        for row, state in live:
+        start = self._guard_start
+        for row, state in zip(live_rows, live):
             at = state._guard_states
-            if at is start and not self._guard_start_clears:
-                continue  # the usual case: no guard refuses anything here
-            for guard, g_state in zip(guards, at):
-                index, keep = guard.clear[g_state]
-                if len(index):
-                    words[row, index] &= keep
+            if at is not start or self._guard_start_clears:  # usually no guard refuses here
+                self._guard_rows(words, row, at)
 
-    def feature_keys(self, states) -> list:
-        """Each state's :meth:`XGrammarState.feature_key`, in one loop for this masker's
-        plain states (a batch's keys are per-row Python overhead around the dump)."""
-        trie, memo = self._trie, self._key_memo
-        if self._key_mode != 1 or trie is None:
-            return [state.feature_key() for state in states]
-        keys = []
-        append = keys.append
-        for state in states:
-            if type(state) is not XGrammarState or state.masker is not self or state._finished:
-                append(state.feature_key())
-                continue
-            node = state._node
-            if node is not None and node.key is not None:
-                trie.served += 1
-                append(node.key)
-                continue
-            dump = state._matcher._debug_print_internal_state()
-            key = memo.get(dump)
-            if key is None:
-                if len(memo) >= _KEY_MEMO_SIZE:
-                    memo.clear()
-                key = memo[dump] = _position_free_key(dump)
-            if node is not None:
-                node.key = key
-                trie.dumped += 1
-            append(key)
-        return keys
+    def _fix_up_rows(self, words: np.ndarray, items: memoryview | None, states, rows) -> None:
+        """The masker's corrections to XGrammar's fill of row ``rows[i]`` for ``states[i]``
+        (of the numpy bitmask ``words``), in one loop: control tokens and padding cleared, EOS
+        where XGrammar allowed it and the matcher completes (so ``is_completed`` is asked only
+        there), the byte guards' refusals. ``items``: the bitmask's
+        :func:`~shim_adapters.bitmask.word_items` when the masker has only a few words to fix
+        (then they are fixed word by word), else None (slice ops on each row)."""
+        eos_words = self._eos_words
+        start, start_clears = self._guard_start, self._guard_start_clears
+        if items is not None:
+            per_row, fixes, eos_word = self._bitmask_shape[1], self._fix_scalars, self._eos_word
+            for state, row in zip(states, rows):
+                base = row * per_row
+                if eos_word is not None:  # the usual case: every EOS id in one word
+                    eos_allowed = items[base + eos_word[0]] & eos_word[1]
+                else:
+                    eos_allowed = any(items[base + w] & bits for w, bits in eos_words)
+                for w, keep in fixes:
+                    items[base + w] &= keep
+                if eos_allowed and state._matcher.is_completed():
+                    for w, bits in eos_words:
+                        items[base + w] |= bits
+                if state._guard_states is not start or start_clears:
+                    self._guard_rows(words, row, state._guard_states)
+            return
+        for state, row in zip(states, rows):
+            own = words[row]
+            eos_allowed = any(int(own[w]) & bits for w, bits in eos_words)
+            for a, b, keep in self._fix_runs:
+                own[a:b] &= keep
+            if eos_allowed and state._matcher.is_completed():
+                for w, bits in eos_words:
+                    own[w] |= bits
+            if state._guard_states is not start or start_clears:
+                self._guard_rows(words, row, state._guard_states)
+
+    def _guard_rows(self, words: np.ndarray, row: int, guard_states) -> None:
+        """The byte guards' refusals at their states ``guard_states``, in row ``row``."""
+        for guard, g_state in zip(self._guards, guard_states):
+            index, keep = guard.clear[g_state]
+            if len(index):
+                words[row, index] &= keep
 
     def advance_states(self, states, token_ids) -> None:
         """``advance`` of each row, inlined for this masker's plain states (a batch's step is
@@ -668,42 +677,9 @@ class XGrammarState(MaskerState):
             words[row] = 0
             return
         self._fill_raw(bitmask, row)
-        self._fix_up(words, row, word_items(words) if self.masker._fix_scalars is not None
-                     else None)
-
-    def _fix_up(self, words: np.ndarray, row: int, items: memoryview | None) -> None:
-        """The masker's corrections to XGrammar's fill of row ``row`` of the numpy bitmask
-        ``words``: control tokens and padding cleared, EOS where XGrammar allowed it and the
-        matcher completes (so ``is_completed`` is asked only there), the byte guards'
-        refusals. ``items``: the bitmask's :func:`~shim_adapters.bitmask.word_items` when the
-        masker has only a few words to fix (then they are fixed word by word), else None
-        (slice ops on the row)."""
         masker = self.masker
-        if items is not None:
-            base = row * masker._bitmask_shape[1]
-            eos_word = masker._eos_word
-            if eos_word is not None:  # the usual case: every EOS id in one word
-                eos_allowed = items[base + eos_word[0]] & eos_word[1]
-            else:
-                eos_allowed = any(items[base + w] & bits for w, bits in masker._eos_words)
-            for w, keep in masker._fix_scalars:
-                items[base + w] &= keep
-            if eos_allowed and self._matcher.is_completed():
-                for w, bits in masker._eos_words:
-                    items[base + w] |= bits
-        else:
-            own = words[row]
-            eos_allowed = any(int(own[w]) & bits for w, bits in masker._eos_words)
-            for a, b, keep in masker._fix_runs:
-                own[a:b] &= keep
-            if eos_allowed and self._matcher.is_completed():
-                for w, bits in masker._eos_words:
-                    own[w] |= bits
-        if self._guard_states is not masker._guard_start or masker._guard_start_clears:
-            for guard, state in zip(masker._guards, self._guard_states):
-                index, keep = guard.clear[state]
-                if len(index):
-                    words[row, index] &= keep
+        masker._fix_up_rows(words, word_items(words) if masker._fix_scalars is not None
+                            else None, (self,), (row,))
 
     def _fill_raw(self, bitmask, row: int) -> None:
         """XGrammar's mask for this row, before the fix-ups."""
