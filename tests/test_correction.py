@@ -249,7 +249,8 @@ def _two_pass(adj, states, rows, scores, bitmask):
 @pytest.mark.parametrize("grammar", sorted(CASES))
 def test_summed_gamma_and_mask_equal_the_two_passes(setups, grammar):
     """One add of the cached (γ entry, mask) rows gives exactly γ's add followed by the mask,
-    at batch 1 and for a batch with rows left out (masked only), on misses and on hits."""
+    for a batch with rows left out (masked only) and for all rows, on misses and on hits;
+    batch 1 is left to the two passes (cheaper there)."""
     masker, _, ctrl = setups[grammar]
     states = [_walk(masker, [i, 3 * i + 1, 7 * i]) for i in range(6)]
     rows = [0, 2, 3, 5]  # rows 1 and 4: masked only (as finished rows are)
@@ -265,9 +266,11 @@ def test_summed_gamma_and_mask_equal_the_two_passes(setups, grammar):
                else ShimAdjuster(ctrl["LR_FULL"], cache_bytes=bound))
         adj.cache.clear()
         for attempt in ("miss", "hit"):
+            assert not adj.add_masked_log_gamma_(torch.zeros((1, masker.vocab_size)),
+                                                 states[:1], None, bitmask[:1])
             for batch_rows, batch_states, mask in (
                     (rows, [states[r] for r in rows], bitmask),
-                    (None, states[:1], bitmask[:1])):
+                    (None, states[:2], bitmask[:2])):
                 scores = torch.randn((len(mask), masker.vocab_size), generator=generator)
                 expected = _two_pass(adj, batch_states, batch_rows, scores.clone(), mask)
                 for other in others:  # other states in between (evictions)
@@ -287,18 +290,19 @@ def test_non_finite_logits_take_the_two_pass_path(setups):
     """+inf or NaN at a forbidden token would become NaN in the summed add (and greedy's
     argmax picks a NaN): such a batch is left to the two passes, which write -inf there."""
     masker, _, ctrl = setups["binary5"]
-    state = _walk(masker, [1, 2])
-    forbidden = np.flatnonzero(~state.allowed_mask())
-    prompt = torch.zeros((1, 3), dtype=torch.long)
+    states = [_walk(masker, [1, 2]), _walk(masker, [2, 1])]
+    forbidden = np.flatnonzero(~states[1].allowed_mask())
+    prompt = torch.zeros((2, 3), dtype=torch.long)
     adj = ShimAdjuster(ctrl["LR_FULL"])
+    bitmask = allocate_token_bitmask(2, masker.vocab_size)
+    masker.fill_next_token_bitmasks(states, bitmask, [0, 1])
+    assert adj.add_masked_log_gamma_(torch.randn((2, masker.vocab_size)), states, None, bitmask)
     for bad in (float("inf"), float("nan")):
-        scores = torch.randn((1, masker.vocab_size))
-        scores[0, forbidden[:3]] = bad
-        bitmask = allocate_token_bitmask(1, masker.vocab_size)
-        state.fill_next_token_bitmask(bitmask, 0)
-        assert not adj.add_masked_log_gamma_(scores.clone(), [state], None, bitmask)
-        out = ShimLogitsProcessor([state.fork()], ctrl["LR_FULL"])(prompt, scores)
-        assert torch.isneginf(out[0, forbidden]).all()
+        scores = torch.randn((2, masker.vocab_size))
+        scores[1, forbidden[:3]] = bad
+        assert not adj.add_masked_log_gamma_(scores.clone(), states, None, bitmask)
+        out = ShimLogitsProcessor([s.fork() for s in states], ctrl["LR_FULL"])(prompt, scores)
+        assert torch.isneginf(out[1, forbidden]).all()
         assert not torch.isnan(out).any()
 
 

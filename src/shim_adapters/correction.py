@@ -171,10 +171,12 @@ class ShimAdjuster:
         """:meth:`add_log_gamma_` and the packed ``bitmask``'s mask in one add of cached
         summed rows (:mod:`shim_adapters.masked_gamma`); rows not in ``rows`` (None: every
         row) are masked only. True when done; False, with ``scores`` untouched, where the sum
-        is not exact or does not pay (wide or non-float32 logits, a sparse γ table, a
-        non-finite logit): then the caller adds γ and masks."""
+        is not exact or does not pay: a non-finite logit, wide or non-float32 logits, a sparse
+        γ table, batch 1 (there γ's add and the mask are one torch call each, and the check of
+        the logits' maximum cancels what the sum saves: measured slower warm, and inside
+        ``generate`` in two A/B runs of three). Then the caller adds γ and masks."""
         cache = self.cache
-        if (not cache.dense or not scores.is_cpu or scores.dim() != 2
+        if (len(scores) < 2 or not cache.dense or not scores.is_cpu or scores.dim() != 2
                 or scores.dtype is not torch.float32 or not bitmask.is_cpu
                 or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
                 or scores.requires_grad):

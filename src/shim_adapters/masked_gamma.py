@@ -5,7 +5,11 @@ Why: at a batch, SHIM's correction and the mask are otherwise two passes over th
 ``generate`` each pass runs with the caches cold after the LM's forward pass. A row's γ entry
 and its packed mask determine their sum exactly (-inf where the bit is clear, the entry's value
 where it is set), and decoding revisits few (entry, mask) pairs, so the sum is cached and one
-gather-add applies both (``benchmarks/shim_end_to_end.py`` measures the processor with it).
+gather-add applies both (``benchmarks/gamma_mask_cost.md``, session 11: at json batch 16 the
+processor's extra time over XGrammar's own fell from 19-23 to 10-16 µs per token, A/B).
+
+For batches only: at batch 1 the two passes are one torch call each, and the check below
+cancels what the sum saves (:meth:`~shim_adapters.correction.ShimAdjuster.add_masked_log_gamma_`).
 
 Exact only for logits with no +inf or NaN: ``x + -inf`` is NaN there where ``masked_fill_``
 writes -inf (and greedy decoding's argmax would pick a NaN), so the caller checks the batch's
@@ -53,26 +57,15 @@ class MaskedGammaRows:
     def _reset(self) -> None:
         self._index: dict[tuple, int] = {}
         self._table = np.empty((8, self.width), dtype=np.float32)
-        self._table_t = torch.from_numpy(self._table)
 
     def add_(self, scores: torch.Tensor, words: np.ndarray, entries,
              gamma_table: np.ndarray) -> None:
-        """``scores[r] += row(entries[r], words[r])`` for every batch row ``r`` of the CPU
+        """``scores[r] += row(entries[r], words[r])`` for every row ``r`` of a batch of CPU
         float32 ``scores`` (``entries[r]``: a :class:`~shim_adapters.gamma_cache.GammaEntry`
         whose values are ``gamma_table[entry.slot]``, or None for mask only)."""
         step = 4 * self.words_per_row
         data = memoryview(words).cast("B")
         index = self._index
-        if len(entries) == 1:  # batch 1: one torch add (warm after the LM's forward pass)
-            entry = entries[0]
-            key = (None if entry is None else entry.ekey, data[:step].tobytes())
-            i = index.get(key)
-            if i is None:
-                i = self._build(key, entry, gamma_table)
-            else:
-                self.hits += 1
-            scores.add_(self._table_t[i])
-            return
         slots = []
         for r, entry in enumerate(entries):
             key = (None if entry is None else entry.ekey, data[r * step:(r + 1) * step].tobytes())
@@ -82,8 +75,8 @@ class MaskedGammaRows:
             else:
                 self.hits += 1
             slots.append(i)
-        # a batch: one numpy gather-add (measured cheaper inside generate than torch's
-        # index_select + add_)
+        # one numpy gather-add (measured cheaper inside generate than torch's index_select +
+        # add_)
         view = numpy_view(scores)
         view += self._table[slots]
 
@@ -100,7 +93,7 @@ class MaskedGammaRows:
         if i == len(self._table):
             table = np.empty((2 * i, self.width), dtype=np.float32)
             table[:i] = self._table
-            self._table, self._table_t = table, torch.from_numpy(table)
+            self._table = table
         row = self._table[i]
         row[:] = 0.0
         if entry is not None:
