@@ -23,6 +23,8 @@ from .protocol import Masker, MaskerState
 
 
 _NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Batches from this many rows take the summed γ + mask rows (see add_masked_log_gamma_).
+_SUMMED_MIN_ROWS = 2
 
 
 class ShimAdjuster:
@@ -176,7 +178,7 @@ class ShimAdjuster:
         the logits' maximum cancels what the sum saves: measured slower warm, and inside
         ``generate`` in two A/B runs of three). Then the caller adds γ and masks."""
         cache = self.cache
-        if (len(scores) < 2 or not cache.dense or not scores.is_cpu or scores.dim() != 2
+        if (len(scores) < _SUMMED_MIN_ROWS or not cache.dense or not scores.is_cpu or scores.dim() != 2
                 or scores.dtype is not torch.float32 or not bitmask.is_cpu
                 or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
                 or scores.requires_grad):
