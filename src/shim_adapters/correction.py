@@ -178,8 +178,8 @@ class ShimAdjuster:
         the logits' maximum cancels what the sum saves: measured slower warm, and inside
         ``generate`` in two A/B runs of three). Then the caller adds γ and masks."""
         cache = self.cache
-        if (len(scores) < _SUMMED_MIN_ROWS or not cache.dense or not scores.is_cpu or scores.dim() != 2
-                or scores.dtype is not torch.float32 or not bitmask.is_cpu
+        if (len(scores) < _SUMMED_MIN_ROWS or not cache.dense or not scores.is_cpu
+                or scores.dim() != 2 or scores.dtype is not torch.float32 or not bitmask.is_cpu
                 or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
                 or scores.requires_grad):
             return False
