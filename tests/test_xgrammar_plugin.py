@@ -531,31 +531,6 @@ def test_fix_ups_word_by_word_and_by_slices_agree(compile_grammar, batch):
                                                   masker.vocab_size)[0].numpy(), expected)
 
 
-def test_batch_feature_keys_are_each_rows_key(compile_grammar):
-    """The batch read of the γ-cache keys gives each row's own key (the dump's, trie-served
-    or not, finished rows included) and counts what the trie served."""
-    masker = compile_grammar(builtin_grammar("json"))
-    masker.clear_key_trie()
-    rng = np.random.default_rng(6)
-    rows = [masker.new_state() for _ in range(6)]
-    for step in range(30):
-        live = [s for s in rows if not s.is_finished]
-        if not live:
-            break
-        for state in live:
-            allowed = state.allowed_token_ids()
-            state.advance(int(rng.choice(allowed)) if step < 20 or len(allowed) == 1
-                          else int(allowed[-1]))
-        batch = rows + [rows[0].fork()]  # a fork shares its prefix node: the trie serves it
-        before = masker.key_trie_info()
-        keys = masker.feature_keys(batch)
-        after = masker.key_trie_info()
-        assert keys == [s.dumped_feature_key() for s in batch]
-        assert keys == [s.feature_key() for s in batch]
-        assert after["served"] + after["dumped"] > before["served"] + before["dumped"]
-    assert masker.key_trie_info()["served"] > 0
-
-
 def test_key_trie_is_bounded(compile_grammar):
     """A full trie starts over: keys stay right, nodes stay under the bound."""
     masker = compile_grammar(builtin_grammar("json"))

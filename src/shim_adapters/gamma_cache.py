@@ -140,18 +140,14 @@ class GammaCache:
         masker, keys = self._last_keys
         masker = masker()
         missed = False
-        # the batch's keys in one call (a backend reads them without a call per row); a
-        # masker written to the protocol without the base class may lack the batch method
-        batch_keys = getattr(states[0].masker, "feature_keys", None) if states else None
-        feature_keys = (batch_keys(states) if batch_keys is not None
-                        else [state.feature_key() for state in states])
-        for state, key in zip(states, feature_keys):
+        for state in states:
             if state.masker is not masker:
                 masker = state.masker
                 keys = self._keys.get(masker)
                 if keys is None:
                     keys = self._keys[masker] = self._keys_for(masker)
                 self._last_keys = (weakref.ref(masker), keys)
+            key = state.feature_key()
             hit = keys.get(key)
             if hit is not None and hit.alive:
                 hit.used = True  # second chance at eviction (CLOCK), cheaper than a move

@@ -206,11 +206,6 @@ class Masker(abc.ABC):
         for row, state in zip(rows, states):
             state.fill_next_token_bitmask(bitmask, row)
 
-    def feature_keys(self, states: Sequence[MaskerState]) -> list[Hashable]:
-        """``[s.feature_key() for s in states]`` (a batch's γ-cache keys: backends may
-        override it to read them in one loop, without a method call per row)."""
-        return [state.feature_key() for state in states]
-
     def advance_states(self, states: Sequence[MaskerState], token_ids: Sequence[int]) -> None:
         """``states[i].advance(token_ids[i])`` for every i (a batch's step: backends may
         override it to accept the batch in one call). Raises as ``advance`` does, for the

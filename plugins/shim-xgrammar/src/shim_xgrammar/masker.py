@@ -479,7 +479,7 @@ def _position_free_key(dump: str) -> str:
     offset lies between
     ``rule_start_pos=`` and ``, sub_element_id=`` (XGrammar 0.2.9's layout), so one replace and
     one split leave texts and offsets alternating; a dump in any other layout (an offset that
-    is not an integer) takes the regex path. The same partition of states as
+    is not an integer) gets the reference's key itself, as one ``str`` (rare: speed moot). The same partition of states as
     :func:`_position_free_key_regex` (the reference; tested)."""
     parts = dump.replace(", sub_element_id=", "rule_start_pos=").split("rule_start_pos=")
     starts = parts[1::2]
@@ -487,11 +487,11 @@ def _position_free_key(dump: str) -> str:
         # each offset digits with an optional sign, as the reference's pattern reads them
         # (int() alone would also take " 5", "+5" or "1_0")
         if not "".join(starts).replace("-", "").isdigit():
-            return _position_free_key_split(dump)
+            return str(_position_free_key_regex(dump))
         try:
             ints = list(map(int, starts))
         except ValueError:  # "5-3", "--5": digits and signs, but not one integer
-            return _position_free_key_split(dump)
+            return str(_position_free_key_regex(dump))
     head = parts[0]
     cut = head.find(" steps", 10)
     if cut > 10 and head.startswith("There are ") and head[10:cut].isdigit():
@@ -503,27 +503,6 @@ def _position_free_key(dump: str) -> str:
             rank = {start: str(i) for i, start in enumerate(order)}
             return text + "\x01" + ",".join(map(rank.__getitem__, ints))
     return text + "\x01" + str(len(starts))
-
-
-def _position_free_key_split(dump: str) -> str:
-    """:func:`_position_free_key` by one regex split (texts and offsets alternate), for a dump
-    outside XGrammar 0.2.9's layout (its texts joined by another separator: a dump takes one
-    path or the other by its text, so the two never need to meet)."""
-    cut = dump.find(" steps", 10) if dump.startswith("There are ") else -1
-    body = dump[cut:] if cut > 0 and dump[10:cut].isdigit() else dump
-    parts = _START_POS.split(body)
-    text = "\x03".join(parts[::2])
-    if len(parts) > 3:  # two items or more
-        ints = list(map(int, parts[1::2]))
-        order = sorted(set(ints), reverse=True)
-        if order != ints:
-            rank = {start: str(i) for i, start in enumerate(order)}
-            return text + "\x01" + ",".join(map(rank.__getitem__, ints))
-    return text + "\x01" + str(len(parts) // 2)
-
-
-#: An item's start offset in a dump.
-_START_POS = re.compile(r"rule_start_pos=(-?\d+)")
 
 
 def _position_free_key_regex(dump: str) -> tuple:
