@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 from shim_adapters.bitmask import allocate_token_bitmask, apply_token_bitmask_
 from shim_adapters.controller import LR_FULL, MLP
 from shim_adapters.correction import ShimAdjuster, ShimLogitsProcessor, sample_with_shim
+from shim_adapters.gamma_cache import GammaCache
 from shim_adapters.generation import MaskedLogitsProcessor
 from shim_adapters.grammar import builtin_grammar
 from shim_adapters.masked_gamma import MaskedGammaRows
@@ -32,7 +35,9 @@ def setups(lm):
         data = sample_training_data(lm, masker, masker.grammar.default_prompt, 120,
                                     max_new_tokens=96, seed=5, progress=False)
         ctrl = {"LR_FULL": LR_FULL(n_splits=2).fit(data),
-                "MLP": MLP(n_splits=2, epochs=5, reg_grid=(1e-3,)).fit(data)}
+                # β fixed at 1: a fit may choose β = 0 (inert: nothing added), which would
+                # leave the add paths below adding zeros for this controller
+                "MLP": MLP(n_splits=2, epochs=5, reg_grid=(1e-3,), beta_grid=(1.0,)).fit(data)}
         out[grammar] = (masker, data, ctrl)
     return out
 
@@ -190,6 +195,63 @@ def test_batch_one_gamma_add_is_log_gamma_up_to_a_constant(setups):
         adj.add_log_gamma_(torch.zeros((2, masker.vocab_size)), [state], [0, 1])
 
 
+def test_batch_one_gather_layout_adds_log_gamma_into_its_row(setups):
+    """The table layout of 50k+ vocabularies (one column per scored token, forced here on the
+    shipped vocabulary) at batch 1: log_gamma's values up to one constant, on a miss and a hit,
+    into the given row only."""
+    masker, _, ctrl = setups["bv4"]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    adj.cache = GammaCache(ctrl["LR_FULL"], dense=False)
+    assert not adj.cache.dense and len(adj.cache.columns) < masker.vocab_size
+    for i in range(5):
+        state = _walk(masker, [i, 2 * i + 1, 4 * i])
+        allowed = state.allowed_token_ids()
+        (expected,) = adj.log_gamma([state], [allowed])
+        for rows, shape in ((None, (1, masker.vocab_size)), ([1], (3, masker.vocab_size))):
+            scores = torch.zeros(shape)
+            adj.add_log_gamma_(scores, [state], rows)
+            r = 0 if rows is None else rows[0]
+            got = scores[r, allowed].numpy()
+            np.testing.assert_allclose(got - got[0], expected - expected[0], atol=1e-5)
+            assert not scores[[k for k in range(shape[0]) if k != r]].any()
+            assert scores[r, adj.cache.columns].any() or not expected.any()
+    assert adj.cache_info()["hits"] >= 5
+
+
+def test_beta_zero_adjuster_is_inert_and_samples_as_masking(setups):
+    """A controller damped by β = 0 adds nothing: the adjuster leaves the logits untouched
+    without computing or caching a γ (no lookups), the summed path declines, and the processor
+    gives exactly plain masking; undamped it still adds the raw log γ̂."""
+    masker, _, ctrl = setups["bv4"]
+    zero = copy.copy(ctrl["LR_FULL"])
+    zero.__dict__.pop("_gamma_caches", None)
+    zero.beta_ = 0.0
+    adj = ShimAdjuster(zero)
+    assert adj.inert and not ShimAdjuster(zero, damped=False).inert
+    assert not ShimAdjuster(ctrl["LR_FULL"]).inert or ctrl["LR_FULL"].beta_ == 0.0
+    states = [_walk(masker, [i, 3 * i + 2]) for i in range(3)]
+    for lg in adj.log_gamma(states, [s.allowed_token_ids() for s in states]):
+        assert not lg.any()  # what the inert path skips adding is zero
+    scores = torch.randn((3, masker.vocab_size), generator=torch.Generator().manual_seed(3))
+    for batch in (states[:1], states):
+        out = scores[:len(batch)].clone()
+        assert adj.add_log_gamma_(out, batch) is out
+        assert torch.equal(out, scores[:len(batch)])
+        bitmask = allocate_token_bitmask(len(batch), masker.vocab_size)
+        masker.fill_next_token_bitmasks(batch, bitmask, range(len(batch)))
+        assert not adj.add_masked_log_gamma_(out, batch, None, bitmask)
+        prompt = torch.zeros((len(batch), 2), dtype=torch.long)
+        plain = MaskedLogitsProcessor([s.fork() for s in batch])(prompt, scores[:len(batch)].clone())
+        shim = ShimLogitsProcessor([s.fork() for s in batch], zero)(prompt, scores[:len(batch)].clone())
+        assert torch.equal(plain, shim)
+    assert adj.cache_info()["lookups"] == 0
+    with pytest.raises(ValueError, match="1 states but 2 rows"):
+        adj.add_log_gamma_(scores[:2].clone(), states[:1], [0, 1])
+    raw = torch.zeros((1, masker.vocab_size))
+    ShimAdjuster(zero, damped=False).add_log_gamma_(raw, states[:1])
+    assert raw.any()  # undamped: log γ̂ itself
+
+
 def test_batch_one_torch_add_follows_the_table_as_it_grows_and_shrinks(setups):
     """Batch 1 adds each entry's row view with one torch call; the views follow the table when
     it is reallocated (growth past 4 slots, compaction after eviction) and when it is widened
@@ -328,3 +390,4 @@ def test_summed_rows_respect_their_memory_bound(setups):
     assert info["resets"] >= 1 and info["rows"] <= 3 and info["bytes"] <= small.max_bytes
     with pytest.raises(ValueError, match="cannot hold"):
         MaskedGammaRows(masker.vocab_size, 1)
+

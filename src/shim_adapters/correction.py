@@ -52,6 +52,13 @@ class ShimAdjuster:
         return self.controller.predict_log_gamma_batch([s.features() for s in states], allowed,
                                                        damped=self.damped)
 
+    @property
+    def inert(self) -> bool:
+        """True when the correction adds nothing: damped by β = 0 (the fit chose plain
+        masking, e.g. where the controller did not beat it on held-out data). The adjuster
+        then leaves the logits to the mask alone instead of adding zeros every step."""
+        return self.damped and self.controller.beta_ == 0.0
+
     def _scored_index(self, device: torch.device) -> torch.Tensor:
         """The token id of each γ-cache table column, on ``device``."""
         index = self._index.get(device)
@@ -72,6 +79,10 @@ class ShimAdjuster:
         log-probabilities after ``log_softmax`` are exactly those of :meth:`log_gamma`, at the
         cost of one gather-add over the controller's known tokens instead of a dense add.
         ``exact=True`` adds the constant too (one more dense add)."""
+        if self.inert:  # β = 0: every value is 0·log γ̂ (the shared one too), nothing to add
+            if rows is not None and len(rows) != len(states):
+                raise ValueError(f"{len(states)} states but {len(rows)} rows")
+            return scores
         cache = self.cache
         if (len(states) == 1 and cache.dense and not exact and scores.is_cpu
                 and scores.dtype is torch.float32 and scores.dim() == 2):
@@ -79,7 +90,10 @@ class ShimAdjuster:
             # warm after the LM's forward pass and numpy's are not: 3-5 µs against 7-12 for
             # numpy's add with the logits' numpy view, benchmarks/cold_ops.py). At batch 16
             # numpy's gather-add below measured cheaper end to end than torch's
-            # index_select + add_, so batches take it.
+            # index_select + add_, so batches take it. The gather layout (50k+ vocabularies)
+            # takes numpy's fancy add below: torch's index_add_ of the row measured faster
+            # alone (4.2 against 5.4 µs at 50k) but 6-10 µs slower per step in
+            # gamma_mask_cost.py (three A/B runs, session 12).
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
             width = scores.shape[1]
@@ -178,7 +192,7 @@ class ShimAdjuster:
         the logits' maximum cancels what the sum saves: measured slower warm, and inside
         ``generate`` in two A/B runs of three). Then the caller adds γ and masks."""
         cache = self.cache
-        if (len(scores) < _SUMMED_MIN_ROWS or not cache.dense or not scores.is_cpu
+        if (self.inert or len(scores) < _SUMMED_MIN_ROWS or not cache.dense or not scores.is_cpu
                 or scores.dim() != 2 or scores.dtype is not torch.float32 or not bitmask.is_cpu
                 or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
                 or scores.requires_grad):

@@ -61,7 +61,10 @@ class GammaEntry:
 class GammaCache:
     """LRU cache of β·log γ̂ per state for one fitted controller (see the module docstring)."""
 
-    def __init__(self, controller, damped: bool = True, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, controller, damped: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
+                 dense: bool | None = None):
+        """``dense``: the table layout (None: dense when the scored span is narrow, below);
+        False forces one column per scored token, the layout of 50k+ vocabularies."""
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.controller = controller
@@ -74,7 +77,7 @@ class GammaCache:
         span = int(scored.max()) + 1 if len(scored) else 1
         #: Dense rows (token ids 0..width-1, one contiguous add) when that is not much wider
         #: than the scored tokens alone; else one value per scored token (a gather-add).
-        self.dense = span <= max(4096, 4 * len(scored))
+        self.dense = span <= max(4096, 4 * len(scored)) if dense is None else bool(dense)
         self.width = span if self.dense else len(scored)
         #: The token id of each table column.
         self.columns = np.arange(span, dtype=np.int64) if self.dense else scored

@@ -161,7 +161,7 @@ class MaskedLogitsProcessor(LogitsProcessor):
         self._sync(input_ids)
         bitmask = self.fill_bitmask()
         adjuster = self.adjuster
-        if adjuster is None:
+        if adjuster is None or getattr(adjuster, "inert", False):  # β = 0: the mask alone
             masker.apply_token_bitmask_(scores, bitmask)
         elif hasattr(adjuster, "add_masked_log_gamma_") and adjuster.add_masked_log_gamma_(
                 scores, self._live_states(), self._live, bitmask):
