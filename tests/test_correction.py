@@ -391,3 +391,34 @@ def test_summed_rows_respect_their_memory_bound(setups):
     with pytest.raises(ValueError, match="cannot hold"):
         MaskedGammaRows(masker.vocab_size, 1)
 
+
+
+def test_summed_rows_start_over_between_batches_not_inside_one(setups):
+    """A batch whose new rows cross the bound: the rows start over before its lookups, so
+    every row gets its own (γ, mask) sum. (Starting over inside the lookup loop left the slots
+    already collected pointing into the dropped table: an IndexError at json batch 32 with the
+    default 32 MiB bound, or another row's mask where the stale slot was still in range.)"""
+    masker, _, ctrl = setups["bv4"]
+    adj = ShimAdjuster(ctrl["LR_FULL"])
+    states = [_walk(masker, [i, 5 * i, 9 * i, 2 * i, i + 1]) for i in range(12)]
+    bitmask = allocate_token_bitmask(len(states), masker.vocab_size)
+    masker.fill_next_token_bitmasks(states, bitmask, range(len(states)))
+    words = bitmask.numpy()
+    distinct = len({(e.ekey, words[r].tobytes())
+                    for r, e in enumerate(adj.cache.entries(states))})
+    assert distinct >= 5  # more new rows in one batch than the bound holds
+    row_bytes = 4 * masker.vocab_size + 4 * bitmask.shape[1] + 150
+    small = MaskedGammaRows(masker.vocab_size, bitmask.shape[1], max_bytes=3 * row_bytes)
+    generator = torch.Generator().manual_seed(11)
+    for order in (range(3), range(12), range(11, -1, -1), range(12)):
+        rows = list(order)
+        entries = adj.cache.entries([states[r] for r in rows])
+        scores = torch.randn((len(rows), masker.vocab_size), generator=generator)
+        expected = _two_pass(adj, [states[r] for r in rows], None, scores.clone(),
+                             bitmask[rows])
+        small.add_(scores, words[rows], entries, adj.cache.table)
+        assert torch.equal(torch.isneginf(scores), torch.isneginf(expected))
+        finite = ~torch.isneginf(expected)
+        torch.testing.assert_close(scores[finite], expected[finite], atol=1e-5, rtol=0)
+    info = small.info()
+    assert info["resets"] >= 2 and info["rows"] <= distinct

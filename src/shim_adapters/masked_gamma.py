@@ -16,8 +16,9 @@ writes -inf (and greedy decoding's argmax would pick a NaN), so the caller check
 maximum first and takes the two-pass path otherwise. Only for narrow vocabularies
 (:data:`MAX_WIDTH`): a wide row costs more memory traffic than the bool mask it replaces.
 
-Bounded: rows are charged their floats and key; when full the table starts over
-(:meth:`MaskedGammaRows.info`).
+Bounded: rows are charged their floats and key; when a batch's new rows could overflow the
+bound the table starts over *before* that batch is looked up, never during it (a batch's slots
+index the table it was looked up in; :meth:`MaskedGammaRows.info`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class MaskedGammaRows:
         whose values are ``gamma_table[entry.slot]``, or None for mask only)."""
         step = 4 * self.words_per_row
         data = memoryview(words).cast("B")
+        if self._index and (len(self._index) + len(entries)) * self._row_bytes > self.max_bytes:
+            # start over now, not inside the loop: a reset there would leave the slots already
+            # collected pointing into a table that is gone (an IndexError, or worse another
+            # row's mask). A batch wider than the bound keeps its own rows for its call.
+            self._reset()
+            self.resets += 1
         index = self._index
         slots = []
         for r, entry in enumerate(entries):
@@ -86,9 +93,6 @@ class MaskedGammaRows:
             raise ValueError(f"a packed row of {self.words_per_row} words has "
                              f"{4 * self.words_per_row} bytes, got {len(packed)}")
         self.misses += 1
-        if (len(self._index) + 1) * self._row_bytes > self.max_bytes:
-            self._reset()
-            self.resets += 1
         i = len(self._index)
         if i == len(self._table):
             table = np.empty((2 * i, self.width), dtype=np.float32)
