@@ -241,8 +241,9 @@ def test_beta_zero_adjuster_is_inert_and_samples_as_masking(setups):
         masker.fill_next_token_bitmasks(batch, bitmask, range(len(batch)))
         assert not adj.add_masked_log_gamma_(out, batch, None, bitmask)
         prompt = torch.zeros((len(batch), 2), dtype=torch.long)
-        plain = MaskedLogitsProcessor([s.fork() for s in batch])(prompt, scores[:len(batch)].clone())
-        shim = ShimLogitsProcessor([s.fork() for s in batch], zero)(prompt, scores[:len(batch)].clone())
+        logits = scores[:len(batch)]
+        plain = MaskedLogitsProcessor([s.fork() for s in batch])(prompt, logits.clone())
+        shim = ShimLogitsProcessor([s.fork() for s in batch], zero)(prompt, logits.clone())
         assert torch.equal(plain, shim)
     assert adj.cache_info()["lookups"] == 0
     with pytest.raises(ValueError, match="1 states but 2 rows"):
@@ -390,7 +391,6 @@ def test_summed_rows_respect_their_memory_bound(setups):
     assert info["resets"] >= 1 and info["rows"] <= 3 and info["bytes"] <= small.max_bytes
     with pytest.raises(ValueError, match="cannot hold"):
         MaskedGammaRows(masker.vocab_size, 1)
-
 
 
 def test_summed_rows_start_over_between_batches_not_inside_one(setups):

@@ -92,8 +92,8 @@ class ShimAdjuster:
             # numpy's gather-add below measured cheaper end to end than torch's
             # index_select + add_, so batches take it. The gather layout (50k+ vocabularies)
             # takes numpy's fancy add below: torch's index_add_ of the row measured faster
-            # alone (4.2 against 5.4 µs at 50k) but 6-10 µs slower per step in
-            # gamma_mask_cost.py (three A/B runs, session 12).
+            # alone, warm, but 6-10 µs slower per step in gamma_mask_cost.py (three A/B runs,
+            # session 12; benchmarks/gamma_mask_cost.md).
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
             width = scores.shape[1]
