@@ -148,7 +148,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     than the torch bit operations (:func:`apply_token_bitmask_torch_`) used on other devices.
     """
     if (logits.is_cpu and bitmask.is_cpu and bitmask.dtype is torch.int32
-            and logits.dim() == 2 and bitmask.dim() == 2 and len(logits) == len(bitmask)):
+            and logits.dim() == 2 and bitmask.dim() == 2
+            and logits.shape[0] == bitmask.shape[0]):  # not len(): a Python call, 0.5 µs each
         words = numpy_view(bitmask)
         width = logits.shape[1]
         covered = min(width, words.shape[1] * BITS_PER_WORD)

@@ -46,18 +46,17 @@ class ShimAdjuster:
         self.cache = shared_gamma_cache(controller, damped=damped, max_bytes=cache_bytes)
         self._index: dict[torch.device, torch.Tensor] = {}
         self._widened: set[int] = set()  # logits widths the cache was asked to widen to
+        #: True when the correction adds nothing: damped by β = 0 (the fit chose plain
+        #: masking, e.g. where the controller did not beat it on held-out data). The adjuster
+        #: then leaves the logits to the mask alone instead of adding zeros every step. Fixed
+        #: here, as the cache's values are (a plain attribute: the processors read it every
+        #: step, where a property's call cost 0.3 µs of a 3 µs batch-1 hit)
+        self.inert: bool = bool(damped and controller.beta_ == 0.0)
 
     def log_gamma(self, states: Sequence[MaskerState],
                   allowed: Sequence[np.ndarray]) -> list[np.ndarray]:
         return self.controller.predict_log_gamma_batch([s.features() for s in states], allowed,
                                                        damped=self.damped)
-
-    @property
-    def inert(self) -> bool:
-        """True when the correction adds nothing: damped by β = 0 (the fit chose plain
-        masking, e.g. where the controller did not beat it on held-out data). The adjuster
-        then leaves the logits to the mask alone instead of adding zeros every step."""
-        return self.damped and self.controller.beta_ == 0.0
 
     def _scored_index(self, device: torch.device) -> torch.Tensor:
         """The token id of each γ-cache table column, on ``device``."""
@@ -84,8 +83,9 @@ class ShimAdjuster:
                 raise ValueError(f"{len(states)} states but {len(rows)} rows")
             return scores
         cache = self.cache
-        if (len(states) == 1 and cache.dense and not exact and scores.is_cpu
-                and scores.dtype is torch.float32 and scores.dim() == 2):
+        shape = scores.shape  # its length and items: len(scores) is a Python call (0.5 µs)
+        if (len(states) == 1 and cache.dense and not exact and len(shape) == 2
+                and scores.dtype is torch.float32 and scores.is_cpu):
             # batch 1: one torch add of the entry's row (inside generate torch's kernels are
             # warm after the LM's forward pass and numpy's are not: 3-5 µs against 7-12 for
             # numpy's add with the logits' numpy view, benchmarks/cold_ops.py). At batch 16
@@ -96,13 +96,13 @@ class ShimAdjuster:
             # session 12; benchmarks/gamma_mask_cost.md).
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
-            width = scores.shape[1]
+            width = shape[1]
             if cache.width != width and width not in self._widened:
                 cache.widen(width)  # once per width (it may decline: memory)
                 self._widened.add(width)
             entry = cache.entry(states[0])
             row = 0 if rows is None else rows[0]
-            target = scores if len(scores) == 1 and row == 0 else scores[row:row + 1]
+            target = scores if shape[0] == 1 and row == 0 else scores[row:row + 1]
             if cache.width != width:  # narrower than the logits: the scored span only
                 target = target[:, :cache.width]
             target.add_(entry.row)
@@ -192,22 +192,24 @@ class ShimAdjuster:
         the logits' maximum cancels what the sum saves: measured slower warm, and inside
         ``generate`` in two A/B runs of three). Then the caller adds γ and masks."""
         cache = self.cache
-        if (self.inert or len(scores) < _SUMMED_MIN_ROWS or not cache.dense or not scores.is_cpu
-                or scores.dim() != 2 or scores.dtype is not torch.float32 or not bitmask.is_cpu
-                or bitmask.dtype is not torch.int32 or bitmask.shape[0] != scores.shape[0]
+        shape = scores.shape
+        if (self.inert or len(shape) != 2 or shape[0] < _SUMMED_MIN_ROWS or not cache.dense
+                or not scores.is_cpu or scores.dtype is not torch.float32 or not bitmask.is_cpu
+                or bitmask.dtype is not torch.int32 or bitmask.shape[0] != shape[0]
                 or scores.requires_grad):
             return False
-        masked = cache.masked_rows(scores.shape[1], bitmask.shape[1])
+        masked = cache.masked_rows(shape[1], bitmask.shape[1])
         if masked is None or not float(scores.max()) < float("inf"):  # +inf or NaN: exact path
             return False
         entries = [cache.entry(states[0])] if len(states) == 1 else cache.entries(states)
-        if rows is not None and len(rows) != len(scores):
-            per_row = [None] * len(scores)
+        n_rows = shape[0]
+        if rows is not None and len(rows) != n_rows:
+            per_row = [None] * n_rows
             for r, entry in zip(rows, entries):
                 per_row[r] = entry
             entries = per_row
-        elif len(entries) != len(scores):
-            raise ValueError(f"{len(states)} states for {len(scores)} rows")
+        elif len(entries) != n_rows:
+            raise ValueError(f"{len(states)} states for {n_rows} rows")
         masked.add_(scores, numpy_view(bitmask), entries, cache.table)
         return True
 
