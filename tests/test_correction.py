@@ -207,8 +207,13 @@ def test_batch_one_gather_layout_adds_log_gamma_into_its_row(setups):
         state = _walk(masker, [i, 2 * i + 1, 4 * i])
         allowed = state.allowed_token_ids()
         (expected,) = adj.log_gamma([state], [allowed])
-        for rows, shape in ((None, (1, masker.vocab_size)), ([1], (3, masker.vocab_size))):
-            scores = torch.zeros(shape)
+        for rows, shape, strided in ((None, (1, masker.vocab_size), False),
+                                     ([1], (3, masker.vocab_size), False),
+                                     ([1], (3, masker.vocab_size), True)):
+            # strided: the last position's logits as a view, as logits[:, -1, :] gives them
+            scores = torch.zeros((shape[0], 2, shape[1]))[:, 1] if strided \
+                else torch.zeros(shape)
+            assert scores.is_contiguous() is not strided
             adj.add_log_gamma_(scores, [state], rows)
             r = 0 if rows is None else rows[0]
             got = scores[r, allowed].numpy()
