@@ -91,9 +91,10 @@ class ShimAdjuster:
             # numpy's add with the logits' numpy view, benchmarks/cold_ops.py). At batch 16
             # numpy's gather-add below measured cheaper end to end than torch's
             # index_select + add_, so batches take it. The gather layout (50k+ vocabularies)
-            # takes numpy's fancy add below: torch's index_add_ of the row measured faster
-            # alone, warm, but 6-10 µs slower per step in gamma_mask_cost.py (three A/B runs,
-            # session 12; benchmarks/gamma_mask_cost.md).
+            # takes numpy's fancy add below: torch's index_add_ (session 12) and
+            # put_(accumulate=True) (session 13) of the row measured faster alone, warm, but
+            # slower per step in gamma_mask_cost.py (three A/B runs each;
+            # benchmarks/gamma_mask_cost.md).
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
             width = shape[1]
