@@ -427,3 +427,22 @@ def test_summed_rows_start_over_between_batches_not_inside_one(setups):
         torch.testing.assert_close(scores[finite], expected[finite], atol=1e-5, rtol=0)
     info = small.info()
     assert info["resets"] >= 2 and info["rows"] <= distinct
+
+
+def test_refit_gives_new_adjusters_a_fresh_gamma_cache(setups):
+    """The γ cache is shared through the controller; refitting the controller in place (other
+    data, another β) must not hand new adjusters the old fit's values."""
+    masker, data, _ = setups["bv4"]
+    ctrl = LR_FULL(n_splits=2, beta_grid=(1.0,)).fit(data)
+    state = _walk(masker, [1, 3])
+    allowed = state.allowed_token_ids()
+    old = ShimAdjuster(ctrl)
+    old.add_log_gamma_(torch.zeros((1, masker.vocab_size)), [state])  # fills the old cache
+    ctrl.set_params(beta_grid=(0.5,)).fit(data)
+    new = ShimAdjuster(ctrl)
+    assert new.cache is not old.cache and new.cache.info()["lookups"] == 0
+    scores = torch.zeros((1, masker.vocab_size))
+    new.add_log_gamma_(scores, [state])
+    (expected,) = new.log_gamma([state], [allowed])
+    got = scores[0, allowed].numpy()
+    np.testing.assert_allclose(got - got[0], expected - expected[0], atol=1e-5)

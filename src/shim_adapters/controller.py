@@ -357,6 +357,9 @@ class Controller:
         self._scored_pre_token = self._E_token[enc.token_columns(self.scored_token_ids_)]
         self._scored_is_eos = np.isin(self.scored_token_ids_, self.eos_token_ids_)
         self._cross_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # the γ caches adjusters share (gamma_cache.shared_gamma_cache) hold the previous
+        # fit's values: new adjusters start a fresh one
+        self.__dict__.pop("_gamma_caches", None)
 
     def _logits(self, weights: dict[str, np.ndarray], X: sp.csr_matrix) -> np.ndarray:
         pre = X @ weights["embed"] + weights["embed_bias"]
