@@ -6,10 +6,10 @@ Each batch of ``B`` rows is drawn from them and masked by:
 
 - ``xgrammar``: ``xgrammar.apply_token_bitmask_inplace`` (XGrammar's CPU kernel, used by its
   HF processor);
-- ``core``: :func:`shim_adapters.bitmask.apply_token_bitmask_` (numpy: the forbidden bits
+- ``core``: :func:`shim_adapters.mask.bitmask.apply_token_bitmask_` (numpy: the forbidden bits
   unpacked, one ``copyto``), which shim-xgrammar uses on CPU;
 - ``torch bit ops``: the core's device path, run on CPU
-  (:func:`shim_adapters.bitmask.apply_token_bitmask_torch_`: shifts and ``masked_fill_``).
+  (:func:`shim_adapters.mask.bitmask.apply_token_bitmask_torch_`: shifts and ``masked_fill_``).
 
 Every kernel's result is checked equal to the core's. XGrammar's kernel runs on a view of a
 buffer one row longer than the batch: at widths that are not a multiple of 32 it can write one
@@ -34,13 +34,16 @@ torch.set_num_threads(1)
 
 import xgrammar as xgr  # noqa: E402
 
-from shim_adapters.bitmask import (allocate_token_bitmask, apply_token_bitmask_,  # noqa: E402
-                                   apply_token_bitmask_torch_)
-from shim_adapters.generation import generate_masked  # noqa: E402
-from shim_adapters.grammar import builtin_grammar  # noqa: E402
-from shim_adapters.lm import load_lm  # noqa: E402
-from shim_adapters.plugins import get_backend  # noqa: E402
-from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
+from shim_adapters.backends.registry import get_backend  # noqa: E402
+from shim_adapters.grammars.grammar import builtin_grammar  # noqa: E402
+from shim_adapters.lm.generation import generate_masked  # noqa: E402
+from shim_adapters.lm.loading import load_lm  # noqa: E402
+from shim_adapters.mask.bitmask import (  # noqa: E402
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    apply_token_bitmask_torch_,
+)
+from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
 
 _here = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("gamma_mask_cost", _here / "gamma_mask_cost.py")

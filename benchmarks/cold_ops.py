@@ -26,8 +26,8 @@ torch.set_num_threads(1)
 import xgrammar as xgr  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-from shim_adapters.bitmask import bitmask_words  # noqa: E402
-from shim_adapters.lm import load_lm  # noqa: E402
+from shim_adapters.lm.loading import load_lm  # noqa: E402
+from shim_adapters.mask.bitmask import bitmask_words  # noqa: E402
 
 
 class Probe(LogitsProcessor):

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from shim_adapters.artefact import WEIGHTS_FILE, MANIFEST_FILE, save_controller
-from shim_adapters.controller import CONTROLLERS, make_controller
-from shim_adapters.grammar import load_grammar
-from shim_adapters.lm import load_lm
-from shim_adapters.plugins import get_backend
-from shim_adapters.training_data import TrainingData, sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import load_grammar
+from shim_adapters.lm.loading import load_lm
+from shim_adapters.shim.artefact import MANIFEST_FILE, WEIGHTS_FILE, save_controller
+from shim_adapters.shim.controller import CONTROLLERS, make_controller
+from shim_adapters.shim.training_data import TrainingData, sample_training_data
 
 
 def main() -> None:

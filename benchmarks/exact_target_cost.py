@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shim_adapters.artefact import load_controller
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation import EvalReport, load_suite
-from shim_adapters.evaluation.lm_views import gqa_without_copies, stop_folded
-from shim_adapters.importance import exact_samples
-from shim_adapters.lm import load_lm
-from shim_adapters.plugins import get_backend
+from shim_adapters.lm.loading import load_lm
+from shim_adapters.lm.views import gqa_without_copies, stop_folded
+from shim_adapters.shim.artefact import load_controller
+from shim_adapters.shim.importance import exact_samples
 
 
 def _log(msg: str) -> None:

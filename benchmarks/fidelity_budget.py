@@ -26,20 +26,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shim_adapters.controller import make_controller
-from shim_adapters.correction import ShimAdjuster
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation.asap import run_asap
-from shim_adapters.sampling import prefill
+from shim_adapters.evaluation.exact_distribution import enumerate_language
 from shim_adapters.evaluation.metrics import kl_over_support
 from shim_adapters.evaluation.rejection import draw_lm_samples, rejection_sample
 from shim_adapters.evaluation.scoring import score_sequences
-from shim_adapters.exact import enumerate_language
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.importance import exact_samples
-from shim_adapters.lm import DEFAULT_LM_CONTROL_PROMPTS, load_lm
-from shim_adapters.plugins import get_backend
-from shim_adapters.targets import make_targets
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.loading import DEFAULT_LM_CONTROL_PROMPTS, load_lm
+from shim_adapters.lm.sampling import prefill
+from shim_adapters.shim.controller import make_controller
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.importance import exact_samples
+from shim_adapters.shim.targets import make_targets
+from shim_adapters.shim.training_data import sample_training_data
 
 #: name -> (built-in grammar, prompt or None for the grammar's own, exact enumeration?)
 CASES = {

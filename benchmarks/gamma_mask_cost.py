@@ -10,14 +10,14 @@ phases in the same loop on the same states:
 - ``plugin fill+advance``: the same through the plugin (``MaskerState.fill_next_token_bitmask``
   + ``advance``);
 - ``xgr apply`` / ``core apply``: masking the batch's logits with XGrammar's CPU kernel and with
-  the core's (:func:`shim_adapters.bitmask.apply_token_bitmask_`, which shim-xgrammar uses
+  the core's (:func:`shim_adapters.mask.bitmask.apply_token_bitmask_`, which shim-xgrammar uses
   on CPU; ``apply_kernel.py`` compares the kernels alone);
 - ``γ hit``: ``ShimAdjuster.add_log_gamma_`` on steps where every row hit the warm γ cache;
   ``γ step``: the same over every timed step (misses included);
 - ``γ miss``: the same with the cache emptied before the step (the miss path);
 - ``γ old``: the previous path (``log_gamma`` on the allowed ids + one index add per row);
 - ``summed``: γ and the mask in one add (``ShimAdjuster.add_masked_log_gamma_``, what the
-  processors do on CPU at a narrow vocabulary: :mod:`shim_adapters.masked_gamma`), against
+  processors do on CPU at a narrow vocabulary: :mod:`shim_adapters.shim.masked_gamma`), against
   ``two-pass``: ``γ step`` + the plugin's mask apply on the same step. ``γ in summed`` is what
   γ adds to the processor there: ``summed`` minus the plugin's mask apply (p50 each). The
   summed and two-pass paths alternate which runs first each step (the second finds the
@@ -54,16 +54,16 @@ torch.set_num_threads(1)
 import xgrammar as xgr  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from shim_adapters.bitmask import allocate_token_bitmask, apply_token_bitmask_  # noqa: E402
-from shim_adapters.controller import LR_FULL  # noqa: E402
-from shim_adapters.correction import ShimAdjuster  # noqa: E402
-from shim_adapters.gamma_cache import GammaCache  # noqa: E402
-from shim_adapters.generation import generate_masked  # noqa: E402
-from shim_adapters.grammar import builtin_grammar  # noqa: E402
-from shim_adapters.lm import load_lm  # noqa: E402
-from shim_adapters.plugins import get_backend  # noqa: E402
-from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
-from shim_adapters.training_data import sample_training_data  # noqa: E402
+from shim_adapters.backends.registry import get_backend  # noqa: E402
+from shim_adapters.grammars.grammar import builtin_grammar  # noqa: E402
+from shim_adapters.lm.generation import generate_masked  # noqa: E402
+from shim_adapters.lm.loading import load_lm  # noqa: E402
+from shim_adapters.mask.bitmask import allocate_token_bitmask, apply_token_bitmask_  # noqa: E402
+from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
+from shim_adapters.shim.controller import LR_FULL  # noqa: E402
+from shim_adapters.shim.correction import ShimAdjuster  # noqa: E402
+from shim_adapters.shim.gamma_cache import GammaCache  # noqa: E402
+from shim_adapters.shim.training_data import sample_training_data  # noqa: E402
 
 _here = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("correction_overhead",

@@ -24,11 +24,10 @@ import torch
 
 torch.set_num_threads(1)
 
-from shim_adapters.generation import generate_masked  # noqa: E402
-from shim_adapters.grammar import builtin_grammar  # noqa: E402
-from shim_adapters.lm import load_lm  # noqa: E402
-from shim_adapters.plugins import get_backend  # noqa: E402
-
+from shim_adapters.backends.registry import get_backend  # noqa: E402
+from shim_adapters.grammars.grammar import builtin_grammar  # noqa: E402
+from shim_adapters.lm.generation import generate_masked  # noqa: E402
+from shim_adapters.lm.loading import load_lm  # noqa: E402
 
 
 def main() -> None:

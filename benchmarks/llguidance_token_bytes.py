@@ -13,8 +13,8 @@ import argparse
 
 
 def load(name: str):
-    from shim_adapters.lm import load_lm
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     if name in ("shipped", "default"):
         return load_lm(None).tokenizer
@@ -25,7 +25,6 @@ def load(name: str):
 
 def main() -> int:
     import llguidance.hf
-
     from shim_outlines.vocabulary import llguidance_byte_mismatches
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

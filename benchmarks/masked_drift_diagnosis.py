@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shim_adapters.evaluation.lm_views import stop_folded
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation.suites import load_suite
-from shim_adapters.lm import load_lm
-from shim_adapters.plugins import get_backend
-from shim_adapters.sampling import prefill, sample
+from shim_adapters.lm.loading import load_lm
+from shim_adapters.lm.sampling import prefill, sample
+from shim_adapters.lm.views import stop_folded
 
 FOLDERS = {"bv4": "BV4", "slia": "SLIA", "cp": "CP", "spider": "spider"}
 

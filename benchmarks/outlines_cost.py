@@ -135,9 +135,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     args = parser.parse_args()
 
-    from shim_adapters.grammar import Grammar, builtin_grammar
-    from shim_adapters.plugins import get_backend
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     backend = get_backend("outlines")
     rows = []

@@ -22,13 +22,13 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shim_adapters.evaluation.lm_views import gqa_without_copies, stop_folded
+    from shim_adapters.backends.registry import get_backend
     from shim_adapters.evaluation.suites import load_suite
     from shim_adapters.evaluation.timing import PhaseTimer
-    from shim_adapters.lm import load_lm
-    from shim_adapters.plugins import get_backend
-    from shim_adapters.sampling import prefill, sample
-    from shim_adapters.training_data import sample_training_data
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.lm.sampling import prefill, sample
+    from shim_adapters.lm.views import gqa_without_copies, stop_folded
+    from shim_adapters.shim.training_data import sample_training_data
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lm", default="smollm2")

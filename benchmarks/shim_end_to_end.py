@@ -37,14 +37,14 @@ import torch
 torch.set_num_threads(1)
 
 import xgrammar as xgr  # noqa: E402
-
-from shim_adapters.controller import fit_controller  # noqa: E402
-from shim_adapters.correction import ShimLogitsProcessor  # noqa: E402
-from shim_adapters.generation import FAITHFUL_SAMPLING, MaskedLogitsProcessor  # noqa: E402
-from shim_adapters.grammar import builtin_grammar  # noqa: E402
-from shim_adapters.lm import load_lm  # noqa: E402
-from shim_adapters.plugins import get_backend  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
+
+from shim_adapters.backends.registry import get_backend  # noqa: E402
+from shim_adapters.grammars.grammar import builtin_grammar  # noqa: E402
+from shim_adapters.lm.generation import FAITHFUL_SAMPLING, MaskedLogitsProcessor  # noqa: E402
+from shim_adapters.lm.loading import load_lm  # noqa: E402
+from shim_adapters.shim.correction import ShimLogitsProcessor  # noqa: E402
+from shim_adapters.shim.fitting import fit_controller  # noqa: E402
 
 
 class ForcePath(LogitsProcessor):

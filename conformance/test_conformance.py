@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from shim_adapters.backends.registry import backends, get_backend
 from shim_adapters.conformance import run_conformance, run_profile_file
 from shim_adapters.conformance.checks import CellContext
 from shim_adapters.conformance.differential import differential
@@ -22,9 +23,8 @@ from shim_adapters.conformance.prefix import prefix_checker
 from shim_adapters.conformance.profiles import get_profile
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.conformance.vocab import Vocabulary, decode_prefix
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import backends, get_backend
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
 
 HERE = Path(__file__).resolve().parent
 CORE_CHECKS = ("soundness", "completeness", "no_dead_ends", "tokenizer_edges")

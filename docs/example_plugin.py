@@ -7,7 +7,7 @@ its own distribution with, in its pyproject.toml::
     [project.entry-points.shim_adapters]
     choices = "shim_choices"
 
-or register it in-process with ``shim_adapters.plugins.register_plugin(module)``.
+or register it in-process with ``shim_adapters.backends.registry.register_plugin(module)``.
 The grammar is a regex such as ``10111|10001|00100``: an alternation of literal strings.
 """
 
@@ -18,11 +18,11 @@ from re import _parser as sre_parse  # the stdlib regex parser (re._parser since
 
 import numpy as np
 
-from shim_adapters.backends import BackendSpec
+from shim_adapters.backends.hookspecs import hookimpl
+from shim_adapters.backends.spec import BackendSpec
 from shim_adapters.errors import UnsupportedGrammarError
-from shim_adapters.grammar import Grammar
-from shim_adapters.hookspecs import hookimpl
-from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
 
 FEATURES = {"parser_state": FeatureStatus.MISSING, "lexer_state": FeatureStatus.EXACT,
             "partial_lexeme": FeatureStatus.EXACT}

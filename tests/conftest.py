@@ -93,7 +93,7 @@ def _private_compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shipped_lm():
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     return load_lm(None)
 
@@ -110,7 +110,7 @@ def example_plugin():
 
     Module-scoped: it is unregistered after the module, so suites that run over "every
     installed backend" (contract, conformance) see only the installed plugins."""
-    from shim_adapters.plugins import register_plugin, unregister_plugin
+    from shim_adapters.backends.registry import register_plugin, unregister_plugin
 
     spec = importlib.util.spec_from_file_location("shim_choices_example",
                                                   ROOT / "docs" / "example_plugin.py")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from shim_adapters.grammar import Grammar
-from shim_adapters.grammar_convert import Alt, CharClass, Lit, Node, Ref, Repeat, Seq, rules_of
+from shim_adapters.grammars.convert import Alt, CharClass, Lit, Node, Ref, Repeat, Seq, rules_of
+from shim_adapters.grammars.grammar import Grammar
 
 _PRINTABLE = [chr(c) for c in range(32, 127)] + ["\n", "\t", "é"]
 

@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.artefact import (MANIFEST_FILE, WEIGHTS_FILE, ArtefactCorruptedError,
-                                    load_controller, save_controller)
-from shim_adapters.controller import CONTROLLERS, make_controller
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import ManifestMismatchError
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.shim.artefact import (
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    ArtefactCorruptedError,
+    load_controller,
+    save_controller,
+)
+from shim_adapters.shim.controller import CONTROLLERS, make_controller
+from shim_adapters.shim.training_data import sample_training_data
 
 torch.set_num_threads(1)
 BACKEND = "syncode"
@@ -127,7 +132,7 @@ def test_other_backend_is_refused(saved, lm):
 def test_other_tokenizer_is_refused(saved, lm):
     from transformers import AutoTokenizer
 
-    from shim_adapters.lm import default_lm_path
+    from shim_adapters.lm.loading import default_lm_path
 
     tok = AutoTokenizer.from_pretrained(default_lm_path(), local_files_only=True)
     tok.add_tokens(["<extra-token>"])  # same class, same model, different tokenizer
@@ -164,7 +169,7 @@ def test_interrupted_refit_leaves_the_previous_artefact_loadable(saved, fitted, 
                                                                  monkeypatch, where):
     import os
 
-    from shim_adapters import artefact
+    from shim_adapters.shim import artefact
 
     _, ctrl = fitted
     real_replace = os.replace
@@ -186,7 +191,7 @@ def test_interrupted_refit_leaves_the_previous_artefact_loadable(saved, fitted, 
 def test_weights_file_outside_the_artefact_is_refused(saved, masker):
     manifest = json.loads((saved / MANIFEST_FILE).read_text())
     manifest["weights_file"] = "../elsewhere.safetensors"
-    from shim_adapters.artefact import _manifest_digest
+    from shim_adapters.shim.artefact import _manifest_digest
 
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     (saved / MANIFEST_FILE).write_text(json.dumps(manifest))
@@ -199,7 +204,7 @@ def test_calling_the_tokenizer_with_padding_keeps_its_identity(saved, lm):
     with padding=True / truncation=True; controllers fitted before must still load."""
     from transformers import AutoTokenizer
 
-    from shim_adapters.lm import default_lm_path
+    from shim_adapters.lm.loading import default_lm_path
 
     tok = AutoTokenizer.from_pretrained(default_lm_path(), local_files_only=True)
     before = tok.backend_tokenizer.to_str()

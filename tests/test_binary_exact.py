@@ -11,13 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.controller import CONTROLLERS, make_controller
-from shim_adapters.correction import ShimAdjuster
-from shim_adapters.exact import enumerate_language, sequence_logprob, sequence_logprobs
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.reference import reference_acceptor
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.evaluation.exact_distribution import (
+    enumerate_language,
+    sequence_logprob,
+    sequence_logprobs,
+)
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.shim.controller import CONTROLLERS, make_controller
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.training_data import sample_training_data
 
 torch.set_num_threads(1)
 

@@ -8,12 +8,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim_adapters.bitmask import (allocate_token_bitmask, apply_token_bitmask_, bitmask_words,
-                                   numpy_first_empty_row, numpy_rows_with_any,
-                                   pack_mask, rows_with_any, unpack_bitmask)
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import ForbiddenTokenError
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.mask.bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    bitmask_words,
+    numpy_first_empty_row,
+    numpy_rows_with_any,
+    pack_mask,
+    rows_with_any,
+    unpack_bitmask,
+)
 
 torch.set_num_threads(1)
 
@@ -45,7 +52,7 @@ def test_cpu_kernel_equals_torch_bit_ops_and_xgrammars_kernel(vocab, width, dtyp
     half precision) masks exactly what the torch bit operations and XGrammar's kernel mask."""
     import xgrammar as xgr
 
-    from shim_adapters.bitmask import apply_token_bitmask_torch_
+    from shim_adapters.mask.bitmask import apply_token_bitmask_torch_
 
     rng = np.random.default_rng(vocab + width)
     for density in (0.003, 0.4, 0.97):  # bv4-like, json-like, nearly everything allowed
@@ -91,7 +98,7 @@ def test_upstream_xgrammar_cpu_kernel_stays_inside_each_row(vocab):
 
 
 def test_numpy_view_is_the_tensors_memory_and_follows_the_last_two_tensors():
-    from shim_adapters.bitmask import numpy_view
+    from shim_adapters.mask.bitmask import numpy_view
 
     a, b, c = torch.zeros(2, 3), torch.zeros(4), torch.zeros(1)
     va, vb = numpy_view(a), numpy_view(b)
@@ -184,7 +191,7 @@ def test_first_empty_row_is_the_first_row_without_a_token(vocab, batch, seed):
 def test_xgrammar_fill_of_a_few_rows_equals_each_rows_fill(shipped_lm, grammar):
     """One to four rows take the word-by-word fix-ups (and a batch XGrammar's batched fill):
     the same words as each state's own fill, EOS included where the grammar accepts."""
-    from shim_adapters.generation import generate_masked
+    from shim_adapters.lm.generation import generate_masked
 
     g = builtin_grammar(grammar)
     masker = get_backend("xgrammar").compile(g, shipped_lm.tokenizer, shipped_lm.vocab_size + 37)
@@ -244,8 +251,8 @@ def test_expanded_mask_cache_masks_exactly_the_clear_bits(vocab, width, batch):
     """The CPU kernel's cached expansions (rows up to 8 KiB) mask what the torch bit
     operations mask, on the first sight of a row (a miss) and after (a hit); wider rows take
     the numpy unpack; a non-contiguous bitmask is never read through a byte view."""
-    from shim_adapters.bitmask import apply_token_bitmask_torch_
-    from shim_adapters.mask_expansion import MAX_ROW_BYTES, apply_expanded_, expanded_masks
+    from shim_adapters.mask.bitmask import apply_token_bitmask_torch_
+    from shim_adapters.mask.expansion import MAX_ROW_BYTES, apply_expanded_, expanded_masks
 
     rng = np.random.default_rng(vocab * 7 + batch)
     masks = rng.random((batch, vocab)) < 0.4
@@ -272,7 +279,7 @@ def test_expanded_mask_cache_masks_exactly_the_clear_bits(vocab, width, batch):
 
 
 def test_expanded_mask_cache_starts_over_at_its_memory_bound():
-    from shim_adapters.mask_expansion import ExpandedMasks
+    from shim_adapters.mask.expansion import ExpandedMasks
 
     cache = ExpandedMasks(64, 2, max_bytes=3 * (64 + 8 + 200))
     rows = [np.array([i, -1], dtype=np.int32).tobytes() for i in range(5)]
@@ -292,7 +299,7 @@ def test_expanded_mask_cache_starts_over_at_its_memory_bound():
 def test_empty_row_check_is_numpy_first_empty_row(vocab, batch, seed):
     """The per-step dead-end check of a preallocated bitmask (bytes compared through a
     memoryview up to MEMCMP_ROWS rows, one reduction beyond) finds the same row."""
-    from shim_adapters.bitmask import EmptyRowCheck
+    from shim_adapters.mask.bitmask import EmptyRowCheck
 
     rng = np.random.default_rng(seed)
     words = np.zeros((batch, bitmask_words(vocab)), dtype=np.int32)
@@ -313,7 +320,7 @@ def test_empty_row_check_is_numpy_first_empty_row(vocab, batch, seed):
 
 
 def test_word_items_is_the_bitmasks_memory_or_none():
-    from shim_adapters.bitmask import word_items
+    from shim_adapters.mask.bitmask import word_items
 
     words = np.zeros((3, 5), dtype=np.int32)
     items = word_items(words)

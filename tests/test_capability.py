@@ -7,10 +7,17 @@ import json
 
 import pytest
 
-from shim_adapters.capability import (SCHEMA_PROBES, StrictModeError, Support, capability_report,
-                                      probe_schema_support, schema_constructs, validate_output)
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.mask.capability import (
+    SCHEMA_PROBES,
+    StrictModeError,
+    Support,
+    capability_report,
+    probe_schema_support,
+    schema_constructs,
+    validate_output,
+)
 
 #: One schema using every keyword the issue names (and a few every backend enforces).
 SCHEMA = {

@@ -8,7 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from shim_adapters import cli, lm as lm_module
+from shim_adapters import cli
+from shim_adapters.lm import loading as lm_module
 
 
 @pytest.fixture()
@@ -99,10 +100,10 @@ def _fake_fit(calls):
 
 
 def test_fit_passes_target_rounds_and_chat_through(files, monkeypatch):
-    from shim_adapters import controller
+    from shim_adapters.shim import fitting
 
     calls = []
-    monkeypatch.setattr(controller, "fit_controller", _fake_fit(calls))
+    monkeypatch.setattr(fitting, "fit_controller", _fake_fit(calls))
     result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
                  files / "art", "--target", "auto", "--rounds", "3", "--chat",
                  "--n-samples", "7")
@@ -114,7 +115,7 @@ def test_fit_passes_target_rounds_and_chat_through(files, monkeypatch):
 
 
 def test_fit_passes_the_sample_cap_through(files, monkeypatch):
-    from shim_adapters import controller
+    from shim_adapters.shim import fitting
 
     seen = []
 
@@ -123,7 +124,7 @@ def test_fit_passes_the_sample_cap_through(files, monkeypatch):
         seen.append(max_samples)
         return _fake_fit([])(lm, masker, prompt, kind, n_samples, output_dir=output_dir)
 
-    monkeypatch.setattr(controller, "fit_controller", fit)
+    monkeypatch.setattr(fitting, "fit_controller", fit)
     result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
                  files / "art", "--n-samples", "7", "--max-samples", "300")
     assert result.exit_code == 0, result.stderr
@@ -131,13 +132,13 @@ def test_fit_passes_the_sample_cap_through(files, monkeypatch):
 
 
 def test_fit_refuses_a_flag_this_build_does_not_take(files, monkeypatch):
-    from shim_adapters import controller
+    from shim_adapters.shim import fitting
 
     def old_fit(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *, output_dir=None,
                 max_new_tokens=128, seed=0, target="final"):
         raise AssertionError("must not be called")
 
-    monkeypatch.setattr(controller, "fit_controller", old_fit)
+    monkeypatch.setattr(fitting, "fit_controller", old_fit)
     result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
                  files / "art", "--chat")
     assert result.exit_code == 2
@@ -204,10 +205,10 @@ def test_sample_reads_xgrammar_features_the_way_the_controller_was_fitted(tmp_pa
     """An artefact fitted on XGrammar's absolute-offset state key (every artefact written
     before the position-free default) still loads through the CLI: the masker is rebuilt with
     the readout its manifest records instead of failing on the fingerprint."""
-    from shim_adapters.fitting import fit_controller
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.lm import load_lm
-    from shim_adapters.plugins import get_backend
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.shim.fitting import fit_controller
 
     lm = load_lm(None)
     grammar = builtin_grammar("bv4")

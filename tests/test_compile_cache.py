@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from shim_adapters.compile_cache import CompileCache, cache_key
-from shim_adapters.grammar import Grammar, builtin_grammar
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.mask.compile_cache import CompileCache, cache_key
 
 
 def schema(obj) -> Grammar:
@@ -61,10 +61,10 @@ def test_corrupt_or_mismatched_entries_are_misses(tmp_path):
 CHILD = """
 import hashlib, torch
 torch.set_num_threads(1)
-from shim_adapters.compile_cache import default_cache
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.lm import load_lm
-from shim_adapters.plugins import get_backend
+from shim_adapters.mask.compile_cache import default_cache
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.loading import load_lm
+from shim_adapters.backends.registry import get_backend
 lm = load_lm(None)
 m = get_backend("xgrammar").compile(builtin_grammar("sql"), lm.tokenizer, lm.vocab_size)
 s = m.new_state()
@@ -86,7 +86,7 @@ def test_second_process_reads_the_first_ones_compile(tmp_path):
 
 @pytest.mark.parametrize("value", ["off", ""])
 def test_cache_can_be_switched_off(monkeypatch, value):
-    from shim_adapters.compile_cache import cache_dir
+    from shim_adapters.mask.compile_cache import cache_dir
 
     monkeypatch.setenv("SHIM_CACHE_DIR", value)
     assert cache_dir() is None and CompileCache().get(cache_key(builtin_grammar("sql"),

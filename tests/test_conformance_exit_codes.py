@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance import run_conformance
 from shim_adapters.conformance.__main__ import main as conformance_main
 from shim_adapters.conformance.faults import faulty_backend
@@ -17,8 +18,7 @@ from shim_adapters.conformance.grammar_analysis import grammar_diagnostics
 from shim_adapters.conformance.known_bugs import expected_known_bugs, match_known_bug
 from shim_adapters.conformance.prefix import prefix_checker
 from shim_adapters.conformance.report import FAILURE_CLASSES, Repro, parse_fail_on
-from shim_adapters.grammar import Grammar, load_grammar
-from shim_adapters.plugins import get_backend
+from shim_adapters.grammars.grammar import Grammar, load_grammar
 
 ROOT = Path(__file__).resolve().parents[1]
 UNFINISHED = ROOT / "conformance" / "grammars" / "unfinished_list.lark"
@@ -236,7 +236,7 @@ def test_dfa_final_state_bug_matches_only_after_a_complete_match():
 
 
 def test_contract_runs_on_every_format_a_backend_declares():
-    from shim_adapters.contract import FORMAT_GRAMMARS, contract_grammars
+    from shim_adapters.conformance.contract import FORMAT_GRAMMARS, contract_grammars
 
     for backend in ("xgrammar", "outlines", "syncode"):
         formats = set(get_backend(backend).grammar_formats)
@@ -249,10 +249,14 @@ def test_feature_status_is_registered_per_format_and_checked_per_masker():
     """shim-outlines compiles regex/JSON schema with outlines_core and CFGs with llguidance:
     its registration says so per format, so every masker matches its own registration, and
     a masker that declares another status than its format's registration still fails."""
-    from shim_adapters.backends import BackendSpec
-    from shim_adapters.contract import (KNOWN_CONTRACT_VIOLATIONS, ContractViolation,
-                                        check_features_match_status, contract_masker)
-    from shim_adapters.protocol import FeatureStatus
+    from shim_adapters.backends.spec import BackendSpec
+    from shim_adapters.conformance.contract import (
+        KNOWN_CONTRACT_VIOLATIONS,
+        ContractViolation,
+        check_features_match_status,
+        contract_masker,
+    )
+    from shim_adapters.mask.protocol import FeatureStatus
 
     spec = get_backend("outlines")
     assert not KNOWN_CONTRACT_VIOLATIONS
@@ -277,8 +281,12 @@ def test_known_bug_probes_reproduce_the_bug_and_stay_quiet_on_a_correct_backend(
     strings), so it cannot hide a fixed bug."""
     from shim_adapters.conformance.checks import replay_known_bug
     from shim_adapters.conformance.profiles import get_profile
-    from shim_adapters.conformance.runner import (_resolve_backend, _resolve_grammar,
-                                                  compile_cell, resolve_tokenizer)
+    from shim_adapters.conformance.runner import (
+        _resolve_backend,
+        _resolve_grammar,
+        compile_cell,
+        resolve_tokenizer,
+    )
 
     tok = resolve_tokenizer("default")
     grammar = _resolve_grammar(str(PERSON))

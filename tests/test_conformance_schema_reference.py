@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance import known_bugs, run_conformance
 from shim_adapters.conformance.checks import CellContext
 from shim_adapters.conformance.differential import differential
@@ -22,8 +23,7 @@ from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.conformance.schema_reference import schema_lark
 from shim_adapters.conformance.vocab import Vocabulary
 from shim_adapters.errors import UnsupportedGrammarError
-from shim_adapters.grammar import Grammar, builtin_grammar, load_grammar
-from shim_adapters.plugins import get_backend
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar, load_grammar
 
 PERSON = Path(__file__).resolve().parents[1] / "conformance" / "grammars" / "person.json"
 #: Small sampling phases, with time caps far above what they need on an idle machine: the

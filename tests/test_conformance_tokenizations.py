@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance import run_conformance
 from shim_adapters.conformance.checks import CellContext
 from shim_adapters.conformance.faults import faulty_backend
@@ -18,9 +19,8 @@ from shim_adapters.conformance.report import FAILURE_CLASSES
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.conformance.tokenizations import excused_split
 from shim_adapters.conformance.vocab import Vocabulary
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.protocol import Tokenizations
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.mask.protocol import Tokenizations
 
 SMALL = dict(gamma=False, uniform_walks=1, rare_walks=1, valid_strings=4, exhaustive_states=8)
 

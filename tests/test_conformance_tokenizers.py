@@ -10,18 +10,23 @@ import random
 import numpy as np
 import pytest
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance import run_conformance
 from shim_adapters.conformance.faults import faulty_backend
 from shim_adapters.conformance.prefix import prefix_checker
-from shim_adapters.conformance.reference_mask import (DEAD, SKIPPED, UNDECIDED, VIABLE,
-                                                      reference_verdicts)
+from shim_adapters.conformance.reference_mask import (
+    DEAD,
+    SKIPPED,
+    UNDECIDED,
+    VIABLE,
+    reference_verdicts,
+)
 from shim_adapters.conformance.report import FAILURE_CLASSES
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.conformance.vocab import Vocabulary, decode_prefix
 from shim_adapters.errors import ShimError
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.tokenizers_offline import load_local_tokenizer, load_offline_tokenizer
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.mask.tokenizers_offline import load_local_tokenizer, load_offline_tokenizer
 
 SMALL = dict(gamma=False, uniform_walks=1, rare_walks=1, valid_strings=4, exhaustive_states=6)
 
@@ -56,7 +61,7 @@ def test_bare_directory_reads_the_eos_from_its_files(tmp_path):
 
 
 def test_sentencepiece_model_file_loads_with_its_bytes(tmp_path):
-    from shim_adapters.tokenizers_offline import _mistral_model_file
+    from shim_adapters.mask.tokenizers_offline import _mistral_model_file
 
     tok = load_local_tokenizer(_mistral_model_file())
     ref = load_offline_tokenizer("mistral-v1")

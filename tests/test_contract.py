@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from shim_adapters.contract import (CONTRACT_CHECKS, ContractViolation, contract_masker,
-                                    contract_tokenizer, run_contract)
-from shim_adapters.contract import pytest_generate_tests  # noqa: F401  (parametrises below)
-from shim_adapters.contract import test_backend_contract_check  # noqa: F401
-from shim_adapters.contract import test_backend_registration  # noqa: F401
+from shim_adapters.backends.registry import backends, get_backend
+from shim_adapters.conformance.contract import (
+    CONTRACT_CHECKS,
+    ContractViolation,
+    contract_masker,
+    contract_tokenizer,
+    pytest_generate_tests,  # noqa: F401  (parametrises below)
+    run_contract,
+    test_backend_contract_check,  # noqa: F401
+    test_backend_registration,  # noqa: F401
+)
 from shim_adapters.conformance.faults import FaultyMasker
-from shim_adapters.plugins import backends, get_backend
 
 
 def _healthy_backend() -> str:

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.controller import (CONTROLLERS, LR_FULL, LR_NT, MLP, fit_controller,
-                                      make_controller)
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.shim.controller import CONTROLLERS, LR_FULL, LR_NT, MLP, make_controller
+from shim_adapters.shim.fitting import fit_controller
+from shim_adapters.shim.training_data import sample_training_data
 
 torch.set_num_threads(1)
 BV4_BACKEND = "syncode"

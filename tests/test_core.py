@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 
 from shim_adapters import FeatureStatus, GrammarError, builtin_grammar, load_grammar
-from shim_adapters.backends import BackendSpec
+from shim_adapters.backends.hookspecs import hookimpl
+from shim_adapters.backends.registry import (
+    backends,
+    get_backend,
+    register_plugin,
+    unregister_plugin,
+)
+from shim_adapters.backends.spec import BackendSpec
 from shim_adapters.errors import BackendNotFoundError
-from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar
-from shim_adapters.hookspecs import hookimpl
-from shim_adapters.plugins import backends, get_backend, register_plugin, unregister_plugin
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar
+from shim_adapters.grammars.reference import reference_acceptor
 
 BV_HEAD = "(define-fun inv ((s (BitVec 4)) (t (BitVec 4))) (BitVec 4) "
 
@@ -114,8 +119,8 @@ def test_core_imports_no_backend_library():
     import subprocess
     import sys
 
-    code = ("import sys, shim_adapters, shim_adapters.cli, shim_adapters.generation, "
-            "shim_adapters.reference, shim_adapters.plugins;"
+    code = ("import sys, shim_adapters, shim_adapters.cli, shim_adapters.lm.generation, "
+            "shim_adapters.grammars.reference, shim_adapters.backends.registry;"
             "bad=[m for m in ('syncode','xgrammar','outlines','outlines_core','llguidance') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -10,16 +10,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shim_adapters.bitmask import allocate_token_bitmask, apply_token_bitmask_
-from shim_adapters.controller import LR_FULL, MLP
-from shim_adapters.correction import ShimAdjuster, ShimLogitsProcessor, sample_with_shim
-from shim_adapters.gamma_cache import GammaCache
-from shim_adapters.generation import MaskedLogitsProcessor
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.masked_gamma import MaskedGammaRows
-from shim_adapters.plugins import get_backend
-from shim_adapters.reference import reference_acceptor
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.generation import MaskedLogitsProcessor
+from shim_adapters.mask.bitmask import allocate_token_bitmask, apply_token_bitmask_
+from shim_adapters.shim.controller import LR_FULL, MLP
+from shim_adapters.shim.correction import ShimAdjuster, ShimLogitsProcessor, sample_with_shim
+from shim_adapters.shim.gamma_cache import GammaCache
+from shim_adapters.shim.masked_gamma import MaskedGammaRows
+from shim_adapters.shim.training_data import sample_training_data
 
 torch.set_num_threads(1)
 #: Two grammars through two backends.

@@ -15,9 +15,9 @@ EOS = 0
 
 @pytest.fixture(scope="module")
 def binary5(shipped_lm):
-    from shim_adapters.sampling import prefill
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.plugins import get_backend
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.lm.sampling import prefill
 
     grammar = builtin_grammar("binary5")
     masker = get_backend("xgrammar").compile(grammar, shipped_lm.tokenizer, shipped_lm.vocab_size)

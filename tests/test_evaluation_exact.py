@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.sampling import prefill, sample
+from shim_adapters.backends.registry import backends, get_backend
 from shim_adapters.evaluation.exact_language import enumerate_language
 from shim_adapters.evaluation.metrics import exact_kl, grouped_probabilities
 from shim_adapters.evaluation.rejection import draw_lm_samples, rejection_sample
 from shim_adapters.evaluation.scoring import score_sequences
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import backends, get_backend
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.sampling import prefill, sample
 
 
 @pytest.fixture(scope="module")

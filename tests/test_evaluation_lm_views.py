@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.sampling import prefill, sample
-from shim_adapters.evaluation.lm_views import (gqa_without_copies, newline_token_ids,
-                                               stop_folded)
 from shim_adapters.evaluation.scoring import step_logprobs
+from shim_adapters.lm.sampling import prefill, sample
+from shim_adapters.lm.views import gqa_without_copies, newline_token_ids, stop_folded
 
 
 @pytest.fixture()

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim_adapters.features import FeatureEncoder, feature_hash, pair_hash
-from shim_adapters.protocol import StateFeatures
+from shim_adapters.mask.protocol import StateFeatures
+from shim_adapters.shim.features import FeatureEncoder, feature_hash, pair_hash
 
 PARSER = st.lists(st.sampled_from(["S0", "S1", "S7", "S12"]), min_size=1, max_size=5).map(tuple)
 LEXER = st.frozensets(st.tuples(st.sampled_from(["VAR", "CONST", "OP"]), st.integers(0, 4)),

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.controller import fit_controller
-from shim_adapters.correction import sample_with_shim
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.prompting import detect_line_answers, render_prompt
-from shim_adapters.sampling import prefill
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.prompting import detect_line_answers, render_prompt
+from shim_adapters.lm.sampling import prefill
+from shim_adapters.shim.correction import sample_with_shim
+from shim_adapters.shim.fitting import fit_controller
 
 torch.set_num_threads(1)
 FAST = dict(n_splits=3, reg_grid=(1.0,))

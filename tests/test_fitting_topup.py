@@ -14,13 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.artefact import load_controller
-from shim_adapters.controller import fit_controller
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.targets import (effective_sample_size, masked_row_logprob,
-                                   mixture_target_weights, shim_row_logprob, target_weights)
-from shim_adapters.training_data import concat_training_data, sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.shim.artefact import load_controller
+from shim_adapters.shim.fitting import fit_controller
+from shim_adapters.shim.targets import (
+    effective_sample_size,
+    masked_row_logprob,
+    mixture_target_weights,
+    shim_row_logprob,
+    target_weights,
+)
+from shim_adapters.shim.training_data import concat_training_data, sample_training_data
 
 torch.set_num_threads(1)
 FAST = dict(n_splits=3, reg_grid=(1.0,))
@@ -104,7 +109,7 @@ def test_no_gain_is_a_decision_and_spends_nothing_more(shipped_lm, bv4):
 
 def test_untrusted_candidate_scores_at_the_best_beta_and_leaves_the_fit_alone(thin_fit,
                                                                            pooled):
-    from shim_adapters.correction import ShimAdjuster
+    from shim_adapters.shim.correction import ShimAdjuster
 
     c, _, _ = thin_fit
     cand = c.untrusted_candidate()
@@ -123,8 +128,8 @@ def test_untrusted_candidate_scores_at_the_best_beta_and_leaves_the_fit_alone(th
 @pytest.fixture(scope="module")
 def pooled(shipped_lm, bv4):
     """40 masked rollouts, a fit on them, 40 completions from its defensive SHIM proposal."""
-    from shim_adapters.controller import make_controller
-    from shim_adapters.targets import make_targets
+    from shim_adapters.shim.controller import make_controller
+    from shim_adapters.shim.targets import make_targets
 
     prompt = bv4.grammar.default_prompt
     masked = sample_training_data(shipped_lm, bv4, prompt, 40, seed=1, progress=False,

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
-from shim_adapters.generation import FAITHFUL_SAMPLING, MaskedLogitsProcessor, generate_masked
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.lm.generation import FAITHFUL_SAMPLING, MaskedLogitsProcessor, generate_masked
 
 BINARY5 = Grammar("|".join(["10111", "10001", "10010", "11001", "10011", "11110", "10101",
                             "11111", "11101", "00100", "11100", "11010", "10110", "00010",

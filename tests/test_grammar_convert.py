@@ -6,11 +6,11 @@ from pathlib import Path
 
 import lark
 import pytest
-
 from grammar_sampling import GrammarSampler
+
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError
-from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
-from shim_adapters.grammar_convert import convert, ebnf_to_lark, lark_to_ebnf
+from shim_adapters.grammars.convert import convert, ebnf_to_lark, lark_to_ebnf
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 
 #: Benchmark EBNF files, relative to --benchmark-data / SHIM_BENCHMARK_DATA (see conftest.py).
 EBNF_FILES = ["BV4/find_inv_eq_bvand_4bit.ebnf", "example/binary_len_5_new.ebnf"]

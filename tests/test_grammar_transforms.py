@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shim_adapters.grammar import Grammar
-from shim_adapters.grammar_transforms import prune_undefined_rules
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.grammars.transforms import prune_undefined_rules
 
 CP_LIKE = '''root ::= "[ " B_0 "]"
 B_0 ::= "( " Tag " " B_1 | "( " Tag " x " E_0

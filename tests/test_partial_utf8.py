@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import ForbiddenTokenError
-from shim_adapters.grammar import Grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.utf8 import incomplete_tail, utf8_prefix_ok
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.utf8 import incomplete_tail, utf8_prefix_ok
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,7 @@ TEXT = "中文😀é👍🏽"
 
 @pytest.fixture(scope="module")
 def gpt2():
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     tok = load_offline_tokenizer("gpt2")
     assert len(tok) >= 50_000

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.controller import LR_FULL
-from shim_adapters.correction import ShimAdjuster
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.evaluation.exact_distribution import enumerate_language
 from shim_adapters.evaluation.scoring import score_sequences
-from shim_adapters.exact import enumerate_language
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.sampling import prefill, sample
-from shim_adapters.targets import importance_labels, make_targets, target_weights
-from shim_adapters.training_data import concat_training_data, sample_training_data
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.sampling import prefill, sample
+from shim_adapters.shim.controller import LR_FULL
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.targets import importance_labels, make_targets, target_weights
+from shim_adapters.shim.training_data import concat_training_data, sample_training_data
 
 torch.set_num_threads(1)
 FAST = dict(n_splits=3, reg_grid=(0.1, 1.0, 10.0))

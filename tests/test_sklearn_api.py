@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from sklearn.base import clone
 
-from shim_adapters.controller import CONTROLLERS, make_controller
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.shim.controller import CONTROLLERS, make_controller
+from shim_adapters.shim.training_data import sample_training_data
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import ForbiddenTokenError, GrammarError, UnsupportedGrammarError
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.protocol import FEATURE_NAMES, FeatureStatus
-from shim_adapters.reference import reference_acceptor
-from shim_adapters.tokenizer_identity import TokenizerIdentity
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.mask.protocol import FEATURE_NAMES, FeatureStatus
+from shim_adapters.mask.tokenizer_identity import TokenizerIdentity
 
 pytest.importorskip("shim_syncode")
 
@@ -398,7 +398,7 @@ def test_non_cfg_formats_are_refused(backend, tokenizers, fmt, text):
 def test_ebnf_is_converted_or_refused_clearly(backend, tokenizers):
     ebnf = Grammar('root ::= "1" "0"*\n', "ebnf", name="tiny.ebnf")
     try:
-        from shim_adapters.grammar_convert import ebnf_to_lark  # noqa: F401
+        from shim_adapters.grammars.convert import ebnf_to_lark  # noqa: F401
     except ImportError:
         with pytest.raises(UnsupportedGrammarError, match="ebnf_to_lark"):
             backend.compile(ebnf, tokenizers["binary5"])
@@ -486,7 +486,7 @@ SPIDER_INVALID = (
 
 @pytest.fixture(scope="module")
 def spider(benchmark_data):
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     path = benchmark_data / SPIDER_GRAMMAR
     assert path.is_file(), f"{path}: the Spider grammar is missing from the benchmark data"
@@ -596,7 +596,7 @@ def test_spider_smollm2_outputs_are_accepted(benchmark_data):
     """The reported refusals with SmolLM2's own tokenizer (49k tokens: ~30 s to load and
     compile, so only with -m slow), and three spaces after ' SELECT sum(' (token 333), which
     the basic path allowed and then rejected in advance()."""
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     grammar = Grammar(text=(benchmark_data / SPIDER_GRAMMAR).read_text(), format="lark",
                       name="spider")
@@ -702,8 +702,9 @@ def test_bulk_mask_equals_per_token_reference(backend, tokenizers, name, lexing)
 def test_bulk_mask_equals_per_token_reference_large_vocab(tokenizer_name, name, lexing):
     """The same with real 50k / 32k tokenizers (GPT-2's byte-level BPE; Mistral's
     SentencePiece with byte fallback, whose byte tokens leave UTF-8 characters pending)."""
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
     from shim_syncode.masker import compile_masker
+
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     tok = load_offline_tokenizer(tokenizer_name)
     masker = compile_masker(builtin_grammar(name), tok, memoize_masks=False, lexing=lexing)
@@ -715,8 +716,9 @@ def test_bulk_mask_equals_per_token_reference_large_vocab(tokenizer_name, name, 
 def test_utf8_table_equals_utf8_prefix_ok():
     """After every pending partial character (each lead byte, continuation bytes at the edges
     of their ranges), on tokens made of every byte at every position that matters."""
-    from shim_adapters.utf8 import utf8_prefix_ok
     from shim_syncode.utf8_table import Utf8Continuations
+
+    from shim_adapters.mask.utf8 import utf8_prefix_ok
 
     edges = sorted({0x00, 0x41, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF,
                     0xE0, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF})

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from shim_adapters.controller import LR_FULL, LR_NT, fit_controller
-from shim_adapters.correction import ShimAdjuster
-from shim_adapters.exact import enumerate_language, sequence_logprobs
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.targets import (make_targets, next_value, rollout_labels, target_weights)
-from shim_adapters.training_data import sample_training_data
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.evaluation.exact_distribution import enumerate_language, sequence_logprobs
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.shim.controller import LR_FULL, LR_NT
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.fitting import fit_controller
+from shim_adapters.shim.targets import make_targets, next_value, rollout_labels, target_weights
+from shim_adapters.shim.training_data import sample_training_data
 
 torch.set_num_threads(1)
 BACKEND = "xgrammar"
@@ -136,7 +137,7 @@ def test_falls_back_to_masking_where_masking_is_already_exact(shipped_lm, caplog
     gap = sequence_logprobs(shipped_lm, prompt, valid, masker) - \
         sequence_logprobs(shipped_lm, prompt, valid)
     assert np.ptp(gap) < 1e-4  # q_mask(x) = p(x)/Z(root) for every x: masking is exact
-    with caplog.at_level(logging.WARNING, logger="shim_adapters.controller"):
+    with caplog.at_level(logging.WARNING, logger="shim_adapters.shim.controller"):
         c, manifest = fit_controller(shipped_lm, masker, prompt, kind="LR_FULL", data=data,
                                      **FAST)
     assert c.beta_ == 0.0 and c.falls_back_to_masking_

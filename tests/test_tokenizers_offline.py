@@ -9,11 +9,18 @@ from pathlib import Path
 import pytest
 
 from shim_adapters.errors import VocabMismatchError
-from shim_adapters.tokenizers_offline import (CL100K_PATTERN, OFFLINE_TOKENIZER_SPECS,
-                                              OFFLINE_TOKENIZERS, VERIFICATION_TEXT, cache_root,
-                                              load_offline_tokenizer, offline_logits_width,
-                                              offline_tokenizer_dir, rust_regex_compatible,
-                                              verify_against_reference)
+from shim_adapters.mask.tokenizers_offline import (
+    CL100K_PATTERN,
+    OFFLINE_TOKENIZER_SPECS,
+    OFFLINE_TOKENIZERS,
+    VERIFICATION_TEXT,
+    cache_root,
+    load_offline_tokenizer,
+    offline_logits_width,
+    offline_tokenizer_dir,
+    rust_regex_compatible,
+    verify_against_reference,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

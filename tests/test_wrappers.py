@@ -12,16 +12,19 @@ import warnings
 import pytest
 import torch
 
-from shim_adapters.artefact import save_controller
-from shim_adapters.controller import fit_controller
-from shim_adapters.correction import ShimLogitsProcessor
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import ManifestMismatchError
-from shim_adapters.generation import FAITHFUL_SAMPLING
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.reference import reference_acceptor
-from shim_adapters.wrap import (BackendDisagreementError, UnsupportedDecodingError,
-                                shim_logits_processor)
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.integrations.hf import (
+    BackendDisagreementError,
+    UnsupportedDecodingError,
+    shim_logits_processor,
+)
+from shim_adapters.lm.generation import FAITHFUL_SAMPLING
+from shim_adapters.shim.artefact import save_controller
+from shim_adapters.shim.correction import ShimLogitsProcessor
+from shim_adapters.shim.fitting import fit_controller
 
 torch.set_num_threads(1)
 EOS = 0
@@ -31,7 +34,7 @@ FIT = dict(kind="LR_FULL", n_samples=60, max_new_tokens=48, progress=False, n_sp
 
 @pytest.fixture(scope="module")
 def lm():
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     lm = load_lm(None)
     assert lm.tokenizer.eos_token_id == EOS
@@ -344,9 +347,8 @@ def test_controller_without_manifest_is_refused(lm):
 
 
 def test_processor_for_another_grammar_is_refused(lm):
-    from shim_xgrammar.wrap import with_shim as xgrammar_shim
-
     from shim_outlines.wrap import with_shim as outlines_shim
+    from shim_xgrammar.wrap import with_shim as xgrammar_shim
 
     _, binary = fitted(lm, "xgrammar", "binary5")
     with pytest.raises(ValueError, match="not the grammar the controller was fitted for"):
@@ -410,7 +412,6 @@ def _string_wrapper(lm, backend: str, syncode_cls):
     if backend == "syncode":
         return wrap(lm, "syncode", "json", syncode_cls)
     import outlines
-
     from shim_outlines.wrap import with_shim
 
     key = ("outlines", STRING_REGEX.name)
@@ -435,7 +436,7 @@ def test_wrapper_masks_byte_tokens_that_break_utf8_and_keeps_completable_ones(
     after a lead byte."""
     import warnings
 
-    from shim_adapters.wrap import ShimWarning
+    from shim_adapters.integrations.hf import ShimWarning
 
     processor = _string_wrapper(lm, backend, syncode_cls)
     prompt = lm.tokenizer(builtin_grammar("json").default_prompt)["input_ids"]
@@ -468,7 +469,7 @@ def test_wrapper_masks_byte_tokens_that_break_utf8_and_keeps_completable_ones(
 
 # ---- cut-off samples are reported, never returned as output ----------------------------------
 def test_plain_wrapper_reports_rows_cut_off_before_the_grammar_accepts(lm):
-    from shim_adapters.wrap import IncompleteSample
+    from shim_adapters.integrations.hf import IncompleteSample
 
     masker, controller = fitted(lm, "xgrammar", "bv4")
     processor = shim_logits_processor(masker, controller, model=lm.model)
@@ -493,11 +494,10 @@ def test_plain_wrapper_reports_rows_cut_off_before_the_grammar_accepts(lm):
 
 
 def test_outlines_wrapper_returns_incomplete_samples_in_place_of_cut_off_text(lm, syncode_cls):
-    from shim_adapters.wrap import IncompleteSample
-
     import outlines
-
     from shim_outlines.wrap import with_shim
+
+    from shim_adapters.integrations.hf import IncompleteSample
 
     _string_wrapper(lm, "outlines", syncode_cls)  # fits the string-regex controller once
     generator = outlines.Generator(outlines.from_transformers(lm.model, lm.tokenizer),
@@ -517,7 +517,7 @@ def other_lm(lm, tmp_path_factory):
     """The shipped LM with one weight changed, saved and loaded like any local model."""
     import copy
 
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     model = copy.deepcopy(lm.model)
     with torch.no_grad():
@@ -530,7 +530,6 @@ def other_lm(lm, tmp_path_factory):
 
 def test_wrappers_refuse_a_model_other_than_the_controllers_lm(lm, other_lm):
     import outlines
-
     from shim_outlines.wrap import with_shim
 
     masker, controller = fitted(lm, "xgrammar", "bv4")
@@ -549,7 +548,6 @@ def test_wrappers_refuse_a_model_other_than_the_controllers_lm(lm, other_lm):
 
 def test_outlines_regex_wrapper_refuses_a_generator_of_another_regex(lm, regex_setup):
     import outlines
-
     from shim_outlines.wrap import with_shim
 
     grammar, _, controller, _ = regex_setup
@@ -568,10 +566,10 @@ def test_xgrammar_wrapper_masks_with_the_processors_grammar_without_running_it(l
     as text are announced once and never emitted, and a subclass (whose own __call__ would be
     skipped) is refused."""
     import xgrammar as xgr
+    from shim_xgrammar.wrap import with_shim
     from xgrammar.contrib.hf import LogitsProcessor
 
-    from shim_adapters.wrap import ShimWarning
-    from shim_xgrammar.wrap import with_shim
+    from shim_adapters.integrations.hf import ShimWarning
 
     calls = []
 

@@ -24,13 +24,13 @@ from functools import lru_cache
 import pytest
 import torch
 
-from shim_adapters.controller import fit_controller
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import DeadEndError
-from shim_adapters.generation import FAITHFUL_SAMPLING
-from shim_adapters.grammar import Grammar, builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.reference import reference_acceptor
-from shim_adapters.wrap import BackendDisagreementError, IncompleteSample, ShimWarning
+from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.integrations.hf import BackendDisagreementError, IncompleteSample, ShimWarning
+from shim_adapters.lm.generation import FAITHFUL_SAMPLING
+from shim_adapters.shim.fitting import fit_controller
 
 torch.set_num_threads(1)
 BATCH = 32
@@ -105,8 +105,8 @@ def lm_for(name: str):
     whole vocabulary, special tokens included."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shim_adapters.lm import LoadedLM, eos_token_ids, load_lm
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width
+    from shim_adapters.lm.loading import LoadedLM, eos_token_ids, load_lm
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer, offline_logits_width
 
     if name == "smollm2":
         try:
@@ -159,7 +159,7 @@ def _xgrammar_processor(lm, masker):
     elif grammar.format == "regex":
         compiled = compiler.compile_regex(grammar.text)
     else:  # the user lowers the Lark grammar to EBNF as the controller's masker did
-        from shim_adapters.grammar_convert import convert
+        from shim_adapters.grammars.convert import convert
 
         compiled = compiler.compile_grammar(convert(grammar, "ebnf").grammar.text)
     return xgr.contrib.hf.LogitsProcessor(compiled)
@@ -207,7 +207,7 @@ def run_cell(tok: str, grammar_name: str, wrapper: str, tmp_path) -> list:
     grammar = masker.grammar
     prompt = grammar.default_prompt
     if wrapper == "transformers":
-        from shim_adapters.wrap import shim_logits_processor
+        from shim_adapters.integrations.hf import shim_logits_processor
 
         processor = shim_logits_processor(masker, controller, batch_size=BATCH, lm=lm)
         sequences, generated = _generate(lm, processor, prompt)

@@ -14,12 +14,12 @@ import warnings
 import pytest
 import torch
 
-from shim_adapters.controller import fit_controller
-from shim_adapters.generation import FAITHFUL_SAMPLING
-from shim_adapters.grammar import builtin_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.reference import reference_acceptor
-from shim_adapters.wrap import ShimWarning
+from shim_adapters.backends.registry import get_backend
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.integrations.hf import ShimWarning
+from shim_adapters.lm.generation import FAITHFUL_SAMPLING
+from shim_adapters.shim.fitting import fit_controller
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     try:
         return load_lm("smollm2")

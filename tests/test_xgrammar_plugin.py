@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from grammar_sampling import GrammarSampler
-from shim_adapters.bitmask import allocate_token_bitmask, bitmask_to_bool
+
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import ForbiddenTokenError, GrammarError, UnsupportedGrammarError
-from shim_adapters.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
-from shim_adapters.plugins import get_backend
-from shim_adapters.protocol import FeatureStatus
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.mask.bitmask import allocate_token_bitmask, bitmask_to_bool
+from shim_adapters.mask.protocol import FeatureStatus
 
 xgr = pytest.importorskip("xgrammar")
 from shim_xgrammar import parse_internal_state  # noqa: E402
@@ -31,11 +31,11 @@ PADDING = 40
 @pytest.fixture(scope="module")
 def tokenizer():
     """The shipped LM's tokenizer once it is there, else GPT-2 built offline."""
-    from shim_adapters import lm
+    from shim_adapters.lm import loading as lm
 
     if (lm.default_lm_path() / "tokenizer.json").is_file():
         return lm.load_lm(None).tokenizer
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     return load_offline_tokenizer("gpt2")
 
@@ -283,8 +283,8 @@ def test_default_features_are_position_free_and_recorded_in_the_fingerprint(comp
     """Position-free by default (held-out KL gain unchanged within one SE on json, bv4 and
     sql; γ hit rate 0.22 -> 0.98 on json: benchmarks/gamma_mask_cost.md); the readout is part
     of the fingerprint, and an artefact without it is taken as absolute (its legacy)."""
-    from shim_adapters.artefact import check_manifest
     from shim_adapters.errors import ManifestMismatchError
+    from shim_adapters.shim.artefact import check_manifest
 
     default = compile_grammar(builtin_grammar("bv4"))
     absolute = compile_grammar(builtin_grammar("bv4"), start_positions="absolute",
@@ -358,7 +358,7 @@ def test_decoded_vocab_is_cached(compile_grammar):
 
 def test_control_tokens_are_never_allowed_inside_a_json_string():
     """XGrammar admits <unk>/<s> wherever their literal text fits; the plugin masks them."""
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer
 
     tok = load_offline_tokenizer("mistral-v1")
     masker = get_backend("xgrammar").compile(builtin_grammar("json"), tok)
@@ -376,7 +376,7 @@ def test_control_tokens_are_never_allowed_inside_a_json_string():
 def test_feature_key_determines_the_features(compile_grammar, tokenizer, options):
     """The γ cache is keyed on feature_key(): equal keys must mean equal features, and the
     position-free key lets states at different offsets share one entry."""
-    from shim_adapters.features import state_key
+    from shim_adapters.mask.protocol import state_key
 
     masker = compile_grammar(builtin_grammar("json"), **options)
     rng = np.random.default_rng(0)
@@ -637,7 +637,7 @@ def test_upstream_xgrammar_refuses_raw_control_characters_in_schema_strings(comp
 
 
 def _cl100k_json():
-    from shim_adapters.tokenizers_offline import load_offline_tokenizer, offline_logits_width
+    from shim_adapters.mask.tokenizers_offline import load_offline_tokenizer, offline_logits_width
 
     tok = load_offline_tokenizer("cl100k")
     masker = get_backend("xgrammar").compile(builtin_grammar("json"), tok,

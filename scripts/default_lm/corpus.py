@@ -30,9 +30,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from shim_adapters.grammar import BUILTIN_GRAMMARS, builtin_grammar
-from shim_adapters.lm import DEFAULT_LM_CONTROL_PROMPTS
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.loading import DEFAULT_LM_CONTROL_PROMPTS
 
 SEED = 20240601
 

@@ -12,9 +12,9 @@ import json
 
 import torch
 
-from shim_adapters.grammar import BUILTIN_GRAMMARS, builtin_grammar
-from shim_adapters.lm import DEFAULT_LM_CONTROL_PROMPTS, load_lm
-from shim_adapters.reference import reference_acceptor
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, builtin_grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.loading import DEFAULT_LM_CONTROL_PROMPTS, load_lm
 
 BINARY5_VALID = ("10111", "10001", "10010", "11001", "10011", "11110", "10101", "11111",
                  "11101", "00100", "11100", "11010", "10110", "00010", "11011", "10100", "11000")

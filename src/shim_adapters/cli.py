@@ -17,9 +17,9 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .errors import ShimError
-from .protocol import FEATURE_NAMES
+from shim_adapters import __version__
+from shim_adapters.errors import ShimError
+from shim_adapters.mask.protocol import FEATURE_NAMES
 
 #: Exceptions that mean "the user asked for something that cannot be done": one line, exit 2.
 USER_ERRORS = (ShimError, FileNotFoundError, IsADirectoryError, PermissionError,
@@ -82,7 +82,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def backends_command(as_json: bool) -> None:
     """List installed masker backends, their versions and the state features each exposes."""
-    from .plugins import backends
+    from shim_adapters.backends.registry import backends
 
     found = backends()
     rows = []
@@ -158,8 +158,8 @@ def _grammar_options(f):
 
 
 def _load_grammar(grammar_spec: str, grammar_format: str | None):
-    from .errors import GrammarError
-    from .grammar import BUILTIN_GRAMMARS, load_grammar
+    from shim_adapters.errors import GrammarError
+    from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, load_grammar
 
     path = Path(grammar_spec)
     if grammar_spec not in BUILTIN_GRAMMARS and not path.exists():
@@ -183,7 +183,7 @@ def _load_grammar(grammar_spec: str, grammar_format: str | None):
 
 def _check_grammar_syntax(grammar, where: str) -> None:
     """Parse the grammar with the independent reference acceptor (cheap, no LM needed)."""
-    from .reference import reference_acceptor
+    from shim_adapters.grammars.reference import reference_acceptor
 
     if grammar.format == "json_schema":
         import jsonschema
@@ -206,7 +206,7 @@ def _check_grammar_syntax(grammar, where: str) -> None:
 
 
 def _pick_backend(backend: str | None, grammar):
-    from .plugins import backends, get_backend
+    from shim_adapters.backends.registry import backends, get_backend
 
     if backend is not None:
         spec = get_backend(backend)
@@ -246,7 +246,7 @@ def _read_prompt(prompt_file: str | None, prompt_text: str | None, grammar) -> s
 
 
 def _check_lm_spec(lm_spec: str | None) -> None:
-    from .lm import DEFAULT_SPECS, SMOLLM2_SPEC, smollm2_gguf_path
+    from shim_adapters.lm.loading import DEFAULT_SPECS, SMOLLM2_SPEC, smollm2_gguf_path
 
     if lm_spec is None or lm_spec in DEFAULT_SPECS:
         return
@@ -267,7 +267,7 @@ def _check_controller(controller_dir: str | None, grammar, spec) -> None:
     and width are checked again once they are loaded)."""
     if controller_dir is None:
         return
-    from .artefact import read_manifest
+    from shim_adapters.shim.artefact import read_manifest
 
     if not Path(controller_dir).is_dir():
         raise UserError(f"--controller {controller_dir}: no such directory (an artefact from "
@@ -285,7 +285,7 @@ def _check_controller(controller_dir: str | None, grammar, spec) -> None:
 
 def _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
            prompt_file_alias, prompt_text, controller_dir=None, need_prompt=True) -> Setup:
-    from .capability import check_strict
+    from shim_adapters.mask.capability import check_strict
 
     grammar = _load_grammar(grammar_spec, grammar_format)
     spec = _pick_backend(backend, grammar)
@@ -314,7 +314,7 @@ def _compile(setup: Setup, lm):
     read_options = getattr(type(masker), "feature_options", None)
     if setup.controller_dir is None or read_options is None:
         return masker
-    from .artefact import read_manifest
+    from shim_adapters.shim.artefact import read_manifest
 
     wanted = read_options(read_manifest(setup.controller_dir))
     if all(getattr(masker, name, value) == value for name, value in wanted.items()):
@@ -353,7 +353,7 @@ def _threads(threads: int | None) -> None:
 @click.option("--seed", default=0, show_default=True)
 def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, seed: int) -> None:
     """The main job: fit SHIM on the shipped LM and compare it with masking, exactly."""
-    from .demo import run_demo
+    from shim_adapters.demo import run_demo
 
     result = run_demo(grammar=grammar, backend=backend, n_train=n_train, out_dir=out_dir,
                       seed=seed)
@@ -371,7 +371,7 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--target", type=click.Choice(["auto", "final", "rollout", "bootstrap"]),
               default=None, help="SHIM training labels (default: the library's, see "
-                                 "shim_adapters.targets).")
+                                 "shim_adapters.shim.targets).")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
               help="Iterated refits.")
 @click.option("--max-samples", default=1000, show_default=True, type=click.IntRange(min=1),
@@ -390,9 +390,9 @@ def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_f
                 prompt_file_alias, prompt_text, kind, n_samples, max_new_tokens, target, rounds,
                 max_samples, chat, seed, threads, out_dir, as_json) -> None:
     """Sample the LM, fit a SHIM controller and save it as a checked artefact."""
-    from .controller import fit_controller
-    from .lm import load_lm
-    from .model_card import model_card, summary_lines, write_model_card
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.shim.fitting import fit_controller
+    from shim_adapters.shim.model_card import model_card, summary_lines, write_model_card
 
     setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                    prompt_file_alias, prompt_text)
@@ -429,10 +429,10 @@ def sample_command(grammar_spec, grammar_format, backend, strict, lm_spec, promp
     """Sample constrained outputs (one JSON line each), SHIM-corrected when a controller is
     given. Each line says whether the output is complete (the grammar accepted before
     max_new_tokens) and valid against the full grammar/schema (the post-generation check)."""
-    from .artefact import load_controller
-    from .capability import validate_output
-    from .correction import sample_with_shim
-    from .lm import load_lm
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.mask.capability import validate_output
+    from shim_adapters.shim.artefact import load_controller
+    from shim_adapters.shim.correction import sample_with_shim
 
     setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                    prompt_file_alias, prompt_text, controller_dir)
@@ -479,9 +479,9 @@ def check_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt
 def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                     prompt_file_alias, prompt_text, controller_dir, prefix, token) -> None:
     """Why a token is allowed or refused after --after TEXT, and its γ̂ under a controller."""
-    from .artefact import load_controller
-    from .explain import explain
-    from .lm import load_lm
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.mask.explain import explain
+    from shim_adapters.shim.artefact import load_controller
 
     setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                    prompt_file_alias, prompt_text, controller_dir, need_prompt=False)
@@ -562,10 +562,10 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, 
                  max_new_tokens, batch_size, cut_draws, threads, cases, limit, target, rounds,
                  mixture_samples, resume, chat, seed, out_dir) -> None:
     """KL to the grammar-conditioned target and time per sample, per method and case."""
-    from .evaluation import METHODS
-    from .evaluation.report import markdown
-    from .evaluation.runner import run_eval
-    from .evaluation.suites import EvalCase, Suite, load_suite
+    from shim_adapters.evaluation import METHODS
+    from shim_adapters.evaluation.report import markdown
+    from shim_adapters.evaluation.runner import run_eval
+    from shim_adapters.evaluation.suites import EvalCase, Suite, load_suite
 
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in method_list if m not in METHODS]
@@ -615,7 +615,7 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, 
 def report_command(report_dir, no_plots) -> None:
     """Recompute an evaluation's metrics from its stored scores (no sampling) and rewrite
     report.json, report.md and the plots."""
-    from .evaluation.rescore import rescore_report
+    from shim_adapters.evaluation.rescore import rescore_report
 
     rescore_report(report_dir, plots=not no_plots)
     click.echo(f"rewrote {report_dir}/report.md")
@@ -630,7 +630,7 @@ def conformance_command(args) -> None:
     --fail-on classes (1 soundness, 2 completeness, 4 dead ends, 8 errors, 16 control tokens)."""
     import sys
 
-    from .conformance.__main__ import main as conformance_main
+    from shim_adapters.conformance.__main__ import main as conformance_main
 
     sys.exit(conformance_main(list(args)))
 

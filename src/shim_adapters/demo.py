@@ -17,13 +17,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .controller import fit_controller
-from .correction import ShimAdjuster, sample_with_shim
-from .exact import enumerate_language
-from .grammar import builtin_grammar
-from .lm import load_lm
-from .plugins import backends, get_backend
-from .training_data import sample_training_data
+from shim_adapters.backends.registry import backends, get_backend
+from shim_adapters.evaluation.exact_distribution import enumerate_language
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.lm.loading import load_lm
+from shim_adapters.shim.correction import ShimAdjuster, sample_with_shim
+from shim_adapters.shim.fitting import fit_controller
+from shim_adapters.shim.training_data import sample_training_data
 
 CONTROLLER_KINDS = ("LR_NT", "LR_FULL", "MLP")
 

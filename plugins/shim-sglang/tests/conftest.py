@@ -30,15 +30,15 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def lm():
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     return load_lm(None)
 
 
 def _fit(lm, grammar_name, directory):
-    from shim_adapters.controller import fit_controller
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.plugins import get_backend
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.shim.fitting import fit_controller
 
     masker = get_backend("xgrammar").compile(builtin_grammar(grammar_name), lm.tokenizer,
                                              lm.vocab_size)

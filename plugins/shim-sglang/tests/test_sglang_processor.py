@@ -11,10 +11,10 @@ import torch
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 from sglang.srt.sampling.sampling_params import SamplingParams
-
-from shim_adapters.correction import ShimLogitsProcessor
-from shim_adapters.errors import ForbiddenTokenError
 from shim_sglang.processor import REGISTRY, SglangShimLogitProcessor
+
+from shim_adapters.errors import ForbiddenTokenError
+from shim_adapters.shim.correction import ShimLogitsProcessor
 
 SERIALISED = SglangShimLogitProcessor.to_str()
 
@@ -120,8 +120,11 @@ def test_retracted_request_restarts_its_state(lm, binary5_dir):
 def test_through_sglangs_own_apply_custom_logit_processor(lm, binary5_dir, bv4_dir):
     """SGLang's sampler groups rows by processor string and writes the result back."""
     from sglang.srt.layers.sampler import apply_custom_logit_processor
-    from sglang.srt.sampling.sampling_batch_info import (ProcessorEntry, SamplingBatchInfo,
-                                                         _rows_to_device_indices)
+    from sglang.srt.sampling.sampling_batch_info import (
+        ProcessorEntry,
+        SamplingBatchInfo,
+        _rows_to_device_indices,
+    )
 
     tok = lm.tokenizer
     reqs = [make_req("x", tok, {"shim_controller": str(binary5_dir)}),

@@ -21,10 +21,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from .report import FAILURE_CLASSES, Report, parse_fail_on
+from shim_adapters.conformance.report import FAILURE_CLASSES, Report, parse_fail_on
 
 _CLASSES = FAILURE_CLASSES
-from .runner import run_conformance, run_profile_file
+from shim_adapters.conformance.runner import run_conformance, run_profile_file
 
 #: Exit status when the command itself cannot run (bad arguments, unloadable input).
 USAGE_ERROR = FAILURE_CLASSES["errors"][0]

@@ -17,8 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import ShimError
-from .report import CellResult, DifferentialResult
+from shim_adapters.conformance.report import CellResult, DifferentialResult
+from shim_adapters.errors import ShimError
 
 #: Bumped when a line's layout changes; a log of another format is refused.
 LOG_FORMAT = 1

@@ -17,11 +17,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..protocol import Masker, Tokenizations
-from .checks import CellContext
-from .generate import valid_strings
-from .report import DifferentialResult
-from .tokenizations import excused_split
+from shim_adapters.conformance.checks import CellContext
+from shim_adapters.conformance.generate import valid_strings
+from shim_adapters.conformance.report import DifferentialResult
+from shim_adapters.conformance.tokenizations import excused_split
+from shim_adapters.mask.protocol import Masker, Tokenizations
 
 
 def differential(contexts: Sequence[CellContext]) -> DifferentialResult:

@@ -13,10 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends import BackendSpec
-from ..errors import ForbiddenTokenError
-from ..grammar import builtin_grammar
-from ..protocol import Masker, MaskerState, StateFeatures, Tokenizations
+from shim_adapters.backends.spec import BackendSpec
+from shim_adapters.errors import ForbiddenTokenError
+from shim_adapters.grammars.grammar import builtin_grammar
+from shim_adapters.mask.protocol import Masker, MaskerState, StateFeatures, Tokenizations
 
 #: The defects that can be injected.
 FAULTS = {
@@ -170,7 +170,7 @@ class FaultyMasker(Masker):
         self.text_mask = np.zeros(n, dtype=bool)
         self.control_ids = np.zeros(0, dtype=np.int64)
         if fault in ("refuse_last_allowed", "unsound_late", "allow_control"):
-            from .vocab import Vocabulary
+            from shim_adapters.conformance.vocab import Vocabulary
 
             vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
             ids = vocab.text_ids[vocab.text_ids < n]
@@ -184,8 +184,8 @@ class FaultyMasker(Masker):
             # The token valid strings of this grammar need most often (after the first one).
             from collections import Counter
 
-            from .generate import valid_strings
-            from .vocab import Vocabulary
+            from shim_adapters.conformance.generate import valid_strings
+            from shim_adapters.conformance.vocab import Vocabulary
 
             vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
             counts: Counter = Counter()

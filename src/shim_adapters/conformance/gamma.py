@@ -1,6 +1,6 @@
 """γ behaviour: SHIM's correction keeps the masker's guarantee and refuses foreign controllers.
 
-HOOK for the controller (``shim_adapters.correction`` / ``controller`` / ``artefact``): this
+HOOK for the controller (``shim_adapters.shim.correction`` / ``controller`` / ``artefact``): this
 check needs a fitted controller for the cell's masker. It uses, in order: one passed in
 (``controller=``), an artefact directory (``controller_dir=``, loaded through the artefact
 manifest check), or, when the cell's tokenizer is the shipped LM's, a small one fitted here on
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .report import CheckResult
+from shim_adapters.conformance.report import CheckResult
 
 #: Manifest fields that, changed one at a time, must make ``check_manifest`` refuse.
 FOREIGN_FIELDS = ("backend", "backend_version", "grammar_sha256", "tokenizer_sha256",
@@ -33,11 +33,11 @@ def gamma_check(ctx, *, controller=None, controller_dir=None, lm=None,
     try:
         import torch
 
-        from .. import artefact
-        from ..controller import fit_controller
-        from ..correction import ShimAdjuster
-        from ..errors import ManifestMismatchError
-        from ..generation import MaskedLogitsProcessor
+        from shim_adapters.errors import ManifestMismatchError
+        from shim_adapters.lm.generation import MaskedLogitsProcessor
+        from shim_adapters.shim import artefact
+        from shim_adapters.shim.correction import ShimAdjuster
+        from shim_adapters.shim.fitting import fit_controller
     except ImportError as exc:
         res.not_run = f"controller modules not available ({exc})"
         return res

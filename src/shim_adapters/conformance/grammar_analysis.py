@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..errors import GrammarError
+from shim_adapters.errors import GrammarError
 
 
 @dataclass
@@ -112,7 +112,7 @@ def lark_text_of(grammar) -> str | None:
     if grammar.format == "lark":
         return grammar.text
     if grammar.format == "ebnf":
-        from ..grammar_convert import ebnf_to_lark
+        from shim_adapters.grammars.convert import ebnf_to_lark
 
         return ebnf_to_lark(grammar.text, grammar_name=grammar.name)
     return None

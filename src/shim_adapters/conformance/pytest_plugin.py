@@ -36,7 +36,7 @@ def pytest_addoption(parser) -> None:
 
 
 def _classes(config) -> tuple[str, ...]:
-    from .report import parse_fail_on
+    from shim_adapters.conformance.report import parse_fail_on
 
     return parse_fail_on(config.getoption("--shim-fail-on"))
 
@@ -52,7 +52,7 @@ class ConformanceItem(pytest.Item):
     def _report(self):
         cache = self.config.stash.setdefault(_REPORTS, {})
         if self.grammar not in cache:
-            from .runner import run_conformance
+            from shim_adapters.conformance.runner import run_conformance
 
             opt = self.config.getoption
             report = run_conformance(opt("--shim-conformance"), opt("--shim-tokenizer"),
@@ -88,7 +88,7 @@ class ConformanceFailure(Exception):
         self.failure_class = failure_class
 
     def explain(self) -> str:
-        from .report import FAILURE_CLASSES
+        from shim_adapters.conformance.report import FAILURE_CLASSES
 
         checks = FAILURE_CLASSES[self.failure_class][1]
         lines = [f"{self.failure_class} failed (exit bit {FAILURE_CLASSES[self.failure_class][0]})"]
@@ -133,7 +133,7 @@ def shim_conformance():
     """``shim_conformance(backend, tokenizer, grammar, fail_on=None, **kw) -> Report``; fails
     the calling test on any selected failure class, listing the minimised repros."""
     def run(backend, tokenizer, grammar, fail_on=None, **kwargs):
-        from .runner import run_conformance
+        from shim_adapters.conformance.runner import run_conformance
 
         kwargs.setdefault("gamma", False)
         report = run_conformance(backend, tokenizer, grammar, fail_on=fail_on, **kwargs)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .prefix import LarkPrefixChecker, PrefixUndecided, RegexPrefixChecker
-from .vocab import Vocabulary, decode_prefix
+from shim_adapters.conformance.prefix import LarkPrefixChecker, PrefixUndecided, RegexPrefixChecker
+from shim_adapters.conformance.vocab import Vocabulary, decode_prefix
 
 VIABLE, DEAD, UNDECIDED, SKIPPED, NOT_TEXT = 1, 0, -1, -2, -3
 

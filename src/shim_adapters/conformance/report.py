@@ -96,16 +96,36 @@ class CheckResult:
     seconds: float = 0.0
     #: Set when the check is not applicable at all (e.g. no controller modules).
     not_run: str | None = None
+    #: The check itself crashed: an error of the cell, never a verdict on the check's class.
+    error: str | None = None
+    #: The cell's wall-clock safety cap stopped the check before its work budget was done:
+    #: an error of the cell ("incomplete"), never a pass.
+    incomplete: str | None = None
+    #: Failures matched to a known bug: bug id -> how many (each one is also in ``xfailed``).
+    known: dict[str, int] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
+        if self.error:
+            return "ERROR"
         if self.not_run:
             return "n/a"
         if self.failed:
             return "FAIL"
+        if self.incomplete:
+            return "incomplete"
         if self.xfailed:
             return "xfail"
         return "pass"
+
+    def add_known(self, bug: str, n: int = 1) -> None:
+        """Count ``n`` failures matched to the known bug ``bug``."""
+        self.xfailed += n
+        self.known[bug] = self.known.get(bug, 0) + n
+
+    def unaccepted_known(self, accepted: Sequence[str] = ()) -> list[str]:
+        """The known bugs met here that the user did not acknowledge (they fail the class)."""
+        return [bug for bug in self.known if bug not in accepted]
 
     def count(self, ok: bool) -> bool:
         if ok:
@@ -115,7 +135,7 @@ class CheckResult:
     def add_failure(self, repro: Repro, known_bug: str | None, keep: int = 20) -> None:
         repro.known_bug = known_bug
         if known_bug:
-            self.xfailed += 1
+            self.add_known(known_bug)
         else:
             self.failed += 1
         same = [r for r in self.failures if r.kind == repro.kind and r.token_id == repro.token_id
@@ -129,11 +149,15 @@ class CheckResult:
             self.failures.append(repro)
 
     def cell(self) -> str:
+        if self.error:
+            return "ERROR (crashed)"
         if self.not_run:
             return "n/a"
         text = f"{self.passed}/{self.passed + self.failed}"
         if self.xfailed:
             text += f" +{self.xfailed}xf"
+        if self.incomplete:
+            text += " incomplete"
         return ("FAIL " if self.failed else "") + text
 
 
@@ -163,6 +187,7 @@ class CellResult:
     def from_dict(cls, data: dict[str, Any]) -> "CellResult":
         """The inverse of ``asdict`` (as written to a report's JSON or a resume log)."""
         data = dict(data)
+        data.pop("class_status", None)  # derived, written for readers of the JSON
         checks = {}
         for name, raw in data.pop("checks", {}).items():
             raw = {k: v for k, v in raw.items() if k != "status"}
@@ -180,27 +205,55 @@ class CellResult:
 
     @property
     def is_error(self) -> bool:
-        """A crash, a misconfiguration or a check that checked nothing: never a pass."""
-        return bool(self.error and not self.unsupported) or bool(self.vacuous_checks)
+        """A crash, a misconfiguration, a check that checked nothing or one the safety cap
+        stopped: never a pass."""
+        return bool(self.error and not self.unsupported) or bool(self.vacuous_checks) or \
+            any(c.error or c.incomplete for c in self.checks.values())
 
     @property
     def vacuous_checks(self) -> list[str]:
         """Checks that ran but asserted nothing (and say no reason): a pass would be a lie."""
         return [name for name, c in self.checks.items()
-                if c.not_run is None and c.passed + c.failed + c.xfailed == 0]
+                if c.not_run is None and c.error is None
+                and c.passed + c.failed + c.xfailed == 0]
 
-    def failing_classes(self) -> list[str]:
-        """The failure classes this cell fails (of all of them)."""
-        out = []
+    def failing_classes(self, accepted: Sequence[str] = ()) -> list[str]:
+        """The failure classes this cell fails (of all of them). A known bug met here fails
+        its check's class unless its id is in ``accepted``."""
+        return [name for name, status in self.class_status(accepted).items()
+                if status == "failed"]
+
+    def class_status(self, accepted: Sequence[str] = ()) -> dict[str, str]:
+        """Per failure class: ``failed``, ``passed``, ``not run`` (no check of the class ran:
+        the grammar did not compile, the check crashed or does not apply) or ``incomplete``
+        (the safety cap stopped a check of the class). ``errors`` and ``stale-known-bugs``
+        are ``failed`` or ``passed``."""
+        out: dict[str, str] = {}
         for name, (_bit, checks) in FAILURE_CLASSES.items():
             if name == "errors":
-                hit = self.is_error
-            elif name == "stale-known-bugs":
-                hit = bool(self.stale_known_bugs)
+                out[name] = "failed" if self.is_error else "passed"
+                continue
+            if name == "stale-known-bugs":
+                out[name] = "failed" if self.stale_known_bugs else "passed"
+                continue
+            ran = [self.checks[c] for c in checks if c in self.checks
+                   and not self.checks[c].not_run and not self.checks[c].error]
+            if any(c.failed or c.unaccepted_known(accepted) for c in ran):
+                out[name] = "failed"
+            elif not ran:
+                out[name] = "not run"
+            elif any(c.incomplete for c in ran):
+                out[name] = "incomplete"
             else:
-                hit = any(self.checks[c].failed for c in checks if c in self.checks)
-            if hit:
-                out.append(name)
+                out[name] = "passed"
+        return out
+
+    def known_bugs_met(self) -> dict[str, int]:
+        """Every known bug met in this cell (by the sampled checks or replayed by its probe)."""
+        out: dict[str, int] = {}
+        for check in self.checks.values():
+            for bug, n in check.known.items():
+                out[bug] = out.get(bug, 0) + n
         return out
 
     @property
@@ -239,6 +292,9 @@ class Report:
 
     #: Failure classes that make :attr:`exit_code` non-zero.
     fail_on: tuple[str, ...] = DEFAULT_FAIL_ON
+    #: Known bugs the user acknowledges (``--accept-known ID``): met, they are listed but do
+    #: not fail their class. Any other known bug met fails its class.
+    accept_known: tuple[str, ...] = ()
 
     @property
     def soundness_failures(self) -> int:
@@ -248,7 +304,7 @@ class Report:
         """Failure class -> the cells failing it (every class, selected or not)."""
         out: dict[str, list[str]] = {}
         for cell in self.cells:
-            for name in cell.failing_classes():
+            for name in cell.failing_classes(self.accept_known):
                 out.setdefault(name, []).append(cell.label)
         if not self.cells:
             out.setdefault("errors", []).append("no cell ran")
@@ -268,6 +324,15 @@ class Report:
                 code |= FAILURE_CLASSES[name][0]
         return code
 
+    def known_bugs_met(self) -> dict[str, tuple[list[str], int]]:
+        """Known bug id -> (the cells meeting it, how many failures it excused)."""
+        out: dict[str, tuple[list[str], int]] = {}
+        for cell in self.cells:
+            for bug, n in cell.known_bugs_met().items():
+                cells, total = out.get(bug, ([], 0))
+                out[bug] = (cells + [cell.label], total + n)
+        return out
+
     @property
     def exit_code(self) -> int:
         """:meth:`exit_status` for the report's own ``fail_on`` selection."""
@@ -284,8 +349,11 @@ class Report:
         for cell, raw in zip(self.cells, data["cells"]):
             for name, check in cell.checks.items():
                 raw["checks"][name]["status"] = check.status
+        for cell, raw in zip(self.cells, data["cells"]):
+            raw["class_status"] = cell.class_status(self.accept_known)
         data["soundness_failures"] = self.soundness_failures
         data["failing_classes"] = self.failing_classes()
+        data["known_bugs_met"] = self.known_bugs_met()
         data["exit_status"] = self.exit_code
         return data
 
@@ -317,7 +385,8 @@ class Report:
             if cell.error:
                 status = "unsupported" if cell.unsupported else "ERROR"
                 row = [cell.backend, cell.tokenizer, cell.grammar,
-                       f"{status}: {cell.error[:80]}".replace("|", "/")] + [""] * (len(CHECK_NAMES) - 1)
+                       f"{status}: {cell.error[:80]}".replace("|", "/")] + \
+                    [("" if cell.unsupported else "not run")] * (len(CHECK_NAMES) - 1)
             else:
                 row = [cell.backend, cell.tokenizer, cell.grammar,
                        *(cell.checks[c].cell() if c in cell.checks else "-" for c in CHECK_NAMES)]
@@ -345,6 +414,23 @@ class Report:
             for cell, check, r in failures[:200]:
                 lines.append(f"- **{cell.backend} / {cell.tokenizer} / {cell.grammar} / "
                              f"{check.name}** {r.one_line()}")
+        met = self.known_bugs_met()
+        if met:
+            lines += ["", "## Known bugs met (each fails its class unless accepted with "
+                      "`--accept-known ID`)", "", "| known bug | cells | failures | accepted |",
+                      "|---|---|---|---|"]
+            for bug, (cells, n) in met.items():
+                lines.append(f"| `{bug}` | {', '.join(cells)} | {n} | "
+                             f"{'yes' if bug in self.accept_known else '**no**: fails'} |")
+        not_run = [(cell, name) for cell in self.cells if not cell.unsupported
+                   for name, status in cell.class_status(self.accept_known).items()
+                   if status in ("not run", "incomplete")]
+        if not_run:
+            lines += ["", "## Classes not judged (never passed)", ""]
+            lines += [f"- {cell.label} / {name}: "
+                      f"{cell.class_status(self.accept_known)[name]}"
+                      + (f" ({cell.error[:120]})" if cell.error else "")
+                      for cell, name in not_run]
         stale = [(cell, b) for cell in self.cells for b in cell.stale_known_bugs]
         if stale:
             lines += ["", "## Known bugs that did not reproduce", ""]
@@ -423,16 +509,26 @@ class Report:
                         counts["errors"] += 1
                         ET.SubElement(case, "error", message=cell.error or "no check ran")
                     continue
-                if check.not_run:
+                unaccepted = check.unaccepted_known(self.accept_known)
+                if check.error:
+                    counts["errors"] += 1
+                    ET.SubElement(case, "error", message=f"the check crashed: {check.error}")
+                elif check.not_run:
                     counts["skipped"] += 1
                     ET.SubElement(case, "skipped", message=check.not_run)
-                elif check.failed:
+                elif check.failed or unaccepted:
                     counts["failures"] += 1
-                    bad = [r for r in check.failures if not r.known_bug]
+                    bad = [r for r in check.failures
+                           if not r.known_bug or r.known_bug in unaccepted]
                     node = ET.SubElement(case, "failure", message=f"{check.failed} failed of "
-                                         f"{check.passed + check.failed}",
+                                         f"{check.passed + check.failed}"
+                                         + (f"; known bugs not accepted: {', '.join(unaccepted)}"
+                                            if unaccepted else ""),
                                          type=FAILURE_CLASS_OF_CHECK.get(name, name))
                     node.text = "\n".join(r.one_line() for r in bad) or "\n".join(check.notes)
+                elif check.incomplete:
+                    counts["errors"] += 1
+                    ET.SubElement(case, "error", message=f"incomplete: {check.incomplete}")
                 elif name in cell.vacuous_checks:
                     counts["errors"] += 1
                     ET.SubElement(case, "error", message="checked nothing: "

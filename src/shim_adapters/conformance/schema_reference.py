@@ -29,7 +29,7 @@ import json
 import re
 from typing import Any
 
-from ..errors import UnsupportedGrammarError
+from shim_adapters.errors import UnsupportedGrammarError
 
 #: Keywords that never constrain an instance here (annotations; ``format`` is not asserted
 #: by the reference acceptor, Draft 2020-12's default).

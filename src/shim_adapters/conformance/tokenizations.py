@@ -14,17 +14,12 @@ is not broken if it says so, but a declaration is a claim the suite checks, neve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from ..protocol import Tokenizations
-from .prefix import PrefixUndecided
-from .reference_mask import _utf8_need, _witnesses
-from .vocab import decode_prefix
-
-if TYPE_CHECKING:
-    from .checks import CellContext
+from shim_adapters.conformance.prefix import PrefixUndecided
+from shim_adapters.conformance.reference_mask import _utf8_need, _witnesses
+from shim_adapters.conformance.vocab import decode_prefix
+from shim_adapters.mask.protocol import Tokenizations
 
 
 def declared_tokenizations(masker) -> Tokenizations:
@@ -37,7 +32,7 @@ def declared_tokenizations(masker) -> Tokenizations:
                          f"use one of {[t.value for t in Tokenizations]}") from exc
 
 
-def _viable_bytes(ctx: "CellContext", data: bytes) -> bool | None:
+def _viable_bytes(ctx: "checks.CellContext", data: bytes) -> bool | None:
     """Whether ``data`` can still become output of the grammar; a trailing incomplete UTF-8
     character counts as viable when one of a few completions of it is (None: undecided)."""
     try:
@@ -62,7 +57,7 @@ def _viable_bytes(ctx: "CellContext", data: bytes) -> bool | None:
 class ForcedText:
     """Which bytes the grammar forces after a prefix (memoised per prefix)."""
 
-    def __init__(self, ctx: "CellContext"):
+    def __init__(self, ctx: "checks.CellContext"):
         self.ctx = ctx
         self._forced: dict[bytes, int | None] = {}
 
@@ -90,7 +85,7 @@ class ForcedText:
         return bool(token)
 
 
-def excused_split(ctx: "CellContext", forced: ForcedText, data: bytes, token: int,
+def excused_split(ctx: "checks.CellContext", forced: ForcedText, data: bytes, token: int,
                   mask: np.ndarray) -> bool:
     """Whether refusing ``token`` after ``data`` is what ``canonical_in_forced_text``
     declares: the token's bytes are forced text and the mask allows another token that

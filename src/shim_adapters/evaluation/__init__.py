@@ -7,13 +7,19 @@ exact teacher-forced scoring (:mod:`.scoring`), KL metrics (:mod:`.metrics`), AS
 timings (:mod:`.timing`).
 """
 
-from .asap import AsapTrie, run_asap
-from .metrics import KLEstimate, bootstrap_kl, exact_kl, kl_over_support, stability_curve
-from .rejection import draw_lm_samples, rejection_sample
-from .report import write_report
-from .runner import METHODS, EvalOptions, EvalReport, run_eval
-from .scoring import score_sequences
-from .suites import EvalCase, Suite, load_suite
+from shim_adapters.evaluation.asap import AsapTrie, run_asap
+from shim_adapters.evaluation.metrics import (
+           KLEstimate,
+           bootstrap_kl,
+           exact_kl,
+           kl_over_support,
+           stability_curve,
+)
+from shim_adapters.evaluation.rejection import draw_lm_samples, rejection_sample
+from shim_adapters.evaluation.report import write_report
+from shim_adapters.evaluation.runner import METHODS, EvalOptions, EvalReport, run_eval
+from shim_adapters.evaluation.scoring import score_sequences
+from shim_adapters.evaluation.suites import EvalCase, Suite, load_suite
 
 __all__ = ["AsapTrie", "EvalCase", "EvalOptions", "EvalReport", "KLEstimate", "METHODS", "Suite",
            "bootstrap_kl", "draw_lm_samples", "exact_kl", "kl_over_support", "load_suite",

@@ -7,7 +7,7 @@ removed is lost), from the leaf back to the root. Sampling uses p(t|h)·EFG(h·t
 allowed set, so the sampler converges to the exact target as samples accumulate -- at a cost
 that recurs per sample and a trie that grows with every token sampled.
 
-:class:`AsapTrie` is a :class:`~shim_adapters.generation.LogitAdjuster` (log EFG of each
+:class:`AsapTrie` is a :class:`~shim_adapters.lm.generation.LogitAdjuster` (log EFG of each
 allowed child), so it samples and scores through the same code as SHIM.
 """
 
@@ -23,9 +23,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..protocol import Masker, MaskerState
-from ..sampling import PrefilledPrompt, eos_ids, sample
-from .timing import NullTimer, PhaseTimer
+from shim_adapters.evaluation.timing import NullTimer, PhaseTimer
+from shim_adapters.lm.sampling import PrefilledPrompt, eos_ids, sample
+from shim_adapters.mask.protocol import Masker, MaskerState
 
 #: Floor for log EFG so the weights stay finite (a node whose every child failed).
 _LOG_FLOOR = -700.0

@@ -14,10 +14,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from ..generation import LogitAdjuster
-from ..protocol import Masker, MaskerState
-from ..reference import reference_acceptor
-from ..sampling import PrefilledPrompt, eos_ids
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.generation import LogitAdjuster
+from shim_adapters.lm.sampling import PrefilledPrompt, eos_ids
+from shim_adapters.mask.protocol import Masker, MaskerState
 
 
 class LanguageTooLargeError(ValueError):

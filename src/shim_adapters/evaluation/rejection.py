@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..grammar import Grammar
-from ..reference import reference_acceptor
-from ..sampling import PrefilledPrompt, eos_ids, sample
-from .timing import PhaseTimer
+from shim_adapters.evaluation.timing import PhaseTimer
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.sampling import PrefilledPrompt, eos_ids, sample
 
 
 @dataclass

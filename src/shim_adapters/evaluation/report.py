@@ -251,7 +251,7 @@ def _label(method: str) -> str:
 
 def _importance_tables(r) -> list[str]:
     """KL at any P(L): the importance-sampled estimates over the pooled proposals."""
-    from .mixture import MIN_ESS, format_kl
+    from shim_adapters.evaluation.mixture import MIN_ESS, format_kl
 
     cases = [c for c in r.cases if c.get("importance")]
     if not cases:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import bootstrap_kl, language_kl, stability_curve
-from .runner import EvalReport
-from .scoring import MASKING
+from shim_adapters.evaluation.metrics import bootstrap_kl, language_kl, stability_curve
+from shim_adapters.evaluation.runner import EvalReport
+from shim_adapters.evaluation.scoring import MASKING
 
 
 def rescore_report(out_dir: str | Path, *, plots: bool = True) -> EvalReport:
@@ -22,7 +22,7 @@ def rescore_report(out_dir: str | Path, *, plots: bool = True) -> EvalReport:
     ``out_dir`` from ``scores/``; returns the updated report (also written back)."""
     from safetensors.numpy import load_file
 
-    from .report import write_report
+    from shim_adapters.evaluation.report import write_report
 
     out = Path(out_dir)
     report = EvalReport.from_json(out / "report.json")

@@ -15,11 +15,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..errors import ForbiddenTokenError, VocabMismatchError
-from ..generation import LogitAdjuster
-from ..protocol import Masker
-from ..sampling import PrefilledPrompt
-from .timing import NullTimer, PhaseTimer
+from shim_adapters.errors import ForbiddenTokenError, VocabMismatchError
+from shim_adapters.evaluation.timing import NullTimer, PhaseTimer
+from shim_adapters.lm.generation import LogitAdjuster
+from shim_adapters.lm.sampling import PrefilledPrompt
+from shim_adapters.mask.protocol import Masker
 
 #: The method name of plain masking (no adjuster).
 MASKING = "masking"

@@ -21,11 +21,12 @@ built-in grammar of the same domain. Benchmark data is never copied into the rep
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
+import tomllib
+
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 
 BUILTIN_SUITES = ("fast", "binary5", "json", "sql", "bv4", "slia", "cp", "spider")
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -78,7 +79,7 @@ def _builtin_case(name: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Ev
 def _ebnf_problem_suite(name: str, data_dir: str | Path, *, max_new_tokens: int,
                         prune_undefined: bool = False) -> Suite:
     """Problems given as ``X.ebnf`` grammar + ``X.txt`` few-shot prompt (one-line answers)."""
-    from ..grammar_transforms import prune_undefined_rules
+    from shim_adapters.grammars.transforms import prune_undefined_rules
 
     root = Path(data_dir)
     grammars = sorted(root.glob("*.ebnf"))

@@ -24,9 +24,14 @@ from typing import Sequence
 import numpy as np
 
 from shim_adapters.errors import GrammarError, ShimError, UnsupportedGrammarError
-from shim_adapters.grammar import Grammar
-from shim_adapters.protocol import (FeatureStatus, Masker, MaskerState, StateFeatures,
-                                    Tokenizations)
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.protocol import (
+    FeatureStatus,
+    Masker,
+    MaskerState,
+    StateFeatures,
+    Tokenizations,
+)
 
 from .masks import bit_is_set, bitmask_to_bool, resolve_eos, resolve_width
 from .shadow_parser import ShadowGrammar, ShadowParser
@@ -48,10 +53,10 @@ def lark_text_of(grammar: Grammar) -> str:
         return grammar.text
     if grammar.format == "ebnf":
         try:
-            from shim_adapters.grammar_convert import ebnf_to_lark
+            from shim_adapters.grammars.convert import ebnf_to_lark
         except ImportError as exc:
             raise UnsupportedGrammarError(
-                "EBNF grammars need shim_adapters.grammar_convert.ebnf_to_lark, which this "
+                "EBNF grammars need shim_adapters.grammars.convert.ebnf_to_lark, which this "
                 f"installation lacks ({exc})", grammar_name=grammar.name) from exc
         return ebnf_to_lark(grammar.text, grammar_name=grammar.name)
     raise UnsupportedGrammarError(f"llguidance path takes lark or ebnf, not {grammar.format!r}",

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from shim_adapters.backends import BackendSpec
+from shim_adapters.backends.hookspecs import hookimpl
+from shim_adapters.backends.spec import BackendSpec
 from shim_adapters.errors import UnsupportedGrammarError
-from shim_adapters.grammar import Grammar
-from shim_adapters.hookspecs import hookimpl
-from shim_adapters.protocol import Masker
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.protocol import Masker
 
 from .cfg_masker import DERIVED_STATUS, LLGuidanceMasker
 from .regex_masker import FEATURE_STATUS as REGEX_FEATURE_STATUS
@@ -20,7 +20,7 @@ from .regex_masker import OutlinesCoreMasker
 
 GRAMMAR_FORMATS = ("lark", "ebnf", "regex", "json_schema")
 
-#: JSON-schema constructs as measured by shim_adapters.capability.probe_schema_support
+#: JSON-schema constructs as measured by shim_adapters.mask.capability.probe_schema_support
 #: (tests/test_capability.py checks this table against the backend): outlines_core 0.2.14
 #: lowers a schema to a regex and drops the post-check ones (oneOf becomes anyOf); a
 #: lookaround in ``pattern`` does not compile.

@@ -20,12 +20,12 @@ from typing import Sequence
 import numpy as np
 
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError
-from shim_adapters.grammar import Grammar
-from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
 
 from .caching import LRUCache
 from .masks import bit_is_set, bitmask_to_bool, resolve_eos, resolve_width
-from .vocabulary import outlines_core_vocabulary, outlines_core_version
+from .vocabulary import outlines_core_version, outlines_core_vocabulary
 
 BACKEND_NAME = "outlines"
 

@@ -6,7 +6,7 @@ token may hold half of a UTF-8 character; turning tokens into strings (what outl
 replaces such halves with U+FFFD and makes valid multi-token characters impossible. Here every
 token maps to its raw bytes, and special tokens map to None (never text; EOS is handled apart).
 
-Every cache is keyed on the tokenizer's content hash (:mod:`shim_adapters.tokenizer_identity`),
+Every cache is keyed on the tokenizer's content hash (:mod:`shim_adapters.mask.tokenizer_identity`),
 never on its class or size.
 """
 
@@ -16,7 +16,7 @@ import json
 from typing import Iterable
 
 from shim_adapters.errors import VocabMismatchError
-from shim_adapters.tokenizer_identity import TokenizerIdentity
+from shim_adapters.mask.tokenizer_identity import TokenizerIdentity
 
 from .caching import LRUCache
 

@@ -30,11 +30,19 @@ from outlines.generator import SteerableGenerator
 from outlines.processors.base_logits_processor import OutlinesLogitsProcessor
 
 from shim_adapters.errors import VocabMismatchError
-from shim_adapters.grammar import Grammar
-from shim_adapters.protocol import Masker
-from shim_adapters.wrap import (ControllerLike, IncompleteSample, ShimWarning, ShimWrapper,
-                                bind_controller, check_model, controller_manifest,
-                                grammar_of_manifest, refuse_beam_search)
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.integrations.hf import (
+    ControllerLike,
+    IncompleteSample,
+    ShimWarning,
+    ShimWrapper,
+    bind_controller,
+    check_model,
+    controller_manifest,
+    grammar_of_manifest,
+    refuse_beam_search,
+)
+from shim_adapters.mask.protocol import Masker
 
 from .plugin import create_masker
 from .vocabulary import llguidance_byte_mismatches
@@ -75,7 +83,7 @@ class _LastIds:
 
 class ShimGenerator(SteerableGenerator):
     """A SteerableGenerator that refuses beam search (rows would be reordered) and returns an
-    :class:`~shim_adapters.wrap.IncompleteSample` in place of any row cut off (by
+    :class:`~shim_adapters.integrations.hf.IncompleteSample` in place of any row cut off (by
     ``max_new_tokens``) before the grammar accepted: such text is never returned as output."""
 
     wrapped: SteerableGenerator
@@ -162,8 +170,7 @@ def _check_cfg_text(inner, masker: Masker, outlines_model=None) -> None:
     """The generator's grammar must be the controller's: the CFG text for llguidance; for
     outlines_core, its index must equal the one outlines builds from the masker's regex."""
     from outlines.backends.llguidance import LLGuidanceLogitsProcessor
-    from outlines.backends.outlines_core import (OutlinesCoreBackend,
-                                                 OutlinesCoreLogitsProcessor)
+    from outlines.backends.outlines_core import OutlinesCoreBackend, OutlinesCoreLogitsProcessor
 
     if isinstance(inner, OutlinesCoreLogitsProcessor) and outlines_model is not None:
         regex = getattr(masker, "regex", None)
@@ -225,7 +232,7 @@ def with_shim(generator: SteerableGenerator, controller: ControllerLike, *,
     ``generator`` must come from ``outlines.Generator(outlines.from_transformers(model,
     tokenizer), output_type)``. Raises ManifestMismatchError for a controller fitted for another
     backend, grammar, tokenizer or LM (the generator's model is checked against the manifest's
-    ``lm_revision``, see :func:`shim_adapters.wrap.check_model`); ValueError when the
+    ``lm_revision``, see :func:`shim_adapters.integrations.hf.check_model`); ValueError when the
     generator's grammar is not the controller's; TypeError for a generator without a supported
     processor. The wrapped generator returns an IncompleteSample for a row cut off before the
     grammar accepted.

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError, VocabMismatchError
-from shim_adapters.grammar import Grammar
-from shim_adapters.tokenizer_identity import TokenizerIdentity
-from shim_adapters.utf8 import utf8_prefix_ok
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.tokenizer_identity import TokenizerIdentity
+from shim_adapters.mask.utf8 import utf8_prefix_ok
 
 from ._syncode_import import syncode_modules, syncode_version
 from .frontier_parser import GrammarTables
@@ -87,11 +87,11 @@ def lark_text_of(grammar: Grammar) -> str:
         return grammar.text
     if grammar.format == "ebnf":
         try:
-            from shim_adapters.grammar_convert import ebnf_to_lark
+            from shim_adapters.grammars.convert import ebnf_to_lark
         except ImportError:
             raise UnsupportedGrammarError(
                 "the syncode backend compiles Lark; EBNF needs "
-                "shim_adapters.grammar_convert.ebnf_to_lark, which this installation lacks",
+                "shim_adapters.grammars.convert.ebnf_to_lark, which this installation lacks",
                 grammar_name=grammar.name) from None
         return ebnf_to_lark(grammar.text, grammar_name=grammar.name)
     raise UnsupportedGrammarError(

@@ -14,16 +14,15 @@ from typing import Sequence
 import numpy as np
 
 from shim_adapters.errors import ForbiddenTokenError, VocabMismatchError
-from shim_adapters.grammar import Grammar
-from shim_adapters.protocol import Masker, MaskerState, StateFeatures
-from shim_adapters.utf8 import utf8_prefix_ok
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.protocol import Masker, MaskerState, StateFeatures
+from shim_adapters.mask.utf8 import utf8_prefix_ok
 
+from . import FEATURE_STATUS
 from ._syncode_import import syncode_version
 from .compiled import CompiledGrammar, compile_grammar
 from .dynamic_lexing import DynamicLexParser
 from .frontier_parser import FrontierParser, NonViableText
-from .plugin import FEATURE_STATUS
-
 
 
 class SyncodeMasker(Masker):

@@ -8,22 +8,14 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from shim_adapters.backends import BackendSpec
-from shim_adapters.hookspecs import hookimpl
-from shim_adapters.protocol import FeatureStatus
+from shim_adapters.backends.hookspecs import hookimpl
+from shim_adapters.backends.spec import BackendSpec
 
-from . import BACKEND_NAME
-
-#: Every feature is read from SynCode's own state: the LALR state stack, the mask store's
-#: (terminal, DFA state) pairs for the remainder, and ParseResult.remainder.
-FEATURE_STATUS = {
-    "parser_state": FeatureStatus.EXACT,
-    "lexer_state": FeatureStatus.EXACT,
-    "partial_lexeme": FeatureStatus.EXACT,
-}
+from . import BACKEND_NAME, FEATURE_STATUS
 
 
 def create_masker(grammar, tokenizer, vocab_size=None, **options):
+    # Deferred: the masker module imports SynCode, which listing backends must not load.
     from .masker import compile_masker
 
     return compile_masker(grammar, tokenizer, vocab_size, **options)
@@ -31,7 +23,7 @@ def create_masker(grammar, tokenizer, vocab_size=None, **options):
 
 def _formats() -> tuple[str, ...]:
     try:
-        from shim_adapters.grammar_convert import ebnf_to_lark  # noqa: F401
+        from shim_adapters.grammars.convert import ebnf_to_lark  # noqa: F401
     except ImportError:
         return ("lark",)
     return ("lark", "ebnf")

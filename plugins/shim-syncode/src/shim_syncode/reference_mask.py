@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shim_adapters.utf8 import utf8_prefix_ok
+from shim_adapters.mask.utf8 import utf8_prefix_ok
 
 
 def reference_mask(state) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shim_adapters.utf8 import UTF8_FORMS, utf8_prefix_ok
+from shim_adapters.mask.utf8 import UTF8_FORMS, utf8_prefix_ok
 
 #: The multi-byte forms of well-formed UTF-8 (lead byte range -> ranges of the bytes after it).
 _FORMS = tuple(form for form in UTF8_FORMS if form[1])

@@ -25,9 +25,14 @@ from typing import Any, Mapping
 
 import torch
 
-from shim_adapters.grammar import Grammar
-from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, bind_controller,
-                                controller_manifest)
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.integrations.hf import (
+    ControllerLike,
+    ShimWarning,
+    ShimWrapper,
+    bind_controller,
+    controller_manifest,
+)
 
 from .masker import SyncodeMasker
 

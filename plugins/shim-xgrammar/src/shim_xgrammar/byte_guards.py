@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from shim_adapters.bitmask import pack_mask
+from shim_adapters.mask.bitmask import pack_mask
 
 #: A token the guard refuses in that state.
 REFUSED = -1

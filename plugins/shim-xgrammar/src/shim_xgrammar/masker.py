@@ -34,12 +34,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from shim_adapters.bitmask import apply_token_bitmask_, numpy_view, word_items
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError, VocabMismatchError
-from shim_adapters.grammar import Grammar
-from shim_adapters.grammar_convert import convert
-from shim_adapters.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
-from shim_adapters.tokenizer_identity import TokenizerIdentity
+from shim_adapters.grammars.convert import convert
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.bitmask import apply_token_bitmask_, numpy_view, word_items
+from shim_adapters.mask.protocol import FeatureStatus, Masker, MaskerState, StateFeatures
+from shim_adapters.mask.tokenizer_identity import TokenizerIdentity
 
 from .byte_guards import REFUSED, ByteGuard, json_string_guard, surrogate_guard
 from .internal_state import START_POSITION_MODES, InternalState, parse_internal_state
@@ -95,11 +95,11 @@ _LINE_COL = re.compile(r"line (\d+), column (\d+)")
 
 def _compile_cached(compiler, grammar: Grammar, ebnf_text: str | None, tokenizer,
                     vocab_size: int, stop_token_ids) -> object:
-    """``_compile`` through the cross-process cache (shim_adapters.compile_cache), keyed on
+    """``_compile`` through the cross-process cache (shim_adapters.mask.compile_cache), keyed on
     the text XGrammar compiles, its version, the tokenizer content, width and stop ids."""
     import xgrammar as xgr
 
-    from shim_adapters.compile_cache import cache_key, default_cache
+    from shim_adapters.mask.compile_cache import cache_key, default_cache
 
     info = _TOKENIZER_INFOS.get(id(compiler))
     if info is None:
@@ -353,7 +353,7 @@ class XGrammarMasker(Masker):
         (of the numpy bitmask ``words``), in one loop: control tokens and padding cleared, EOS
         where XGrammar allowed it and the matcher completes (so ``is_completed`` is asked only
         there), the byte guards' refusals. ``items``: the bitmask's
-        :func:`~shim_adapters.bitmask.word_items` when the masker has only a few words to fix
+        :func:`~shim_adapters.mask.bitmask.word_items` when the masker has only a few words to fix
         (then they are fixed word by word), else None (slice ops on each row)."""
         eos_words = self._eos_words
         start, start_clears = self._guard_start, self._guard_start_clears
@@ -412,7 +412,7 @@ class XGrammarMasker(Masker):
 
     def apply_token_bitmask_(self, logits, bitmask) -> None:
         """XGrammar's own kernel on an accelerator; on CPU the core's kernel
-        (:func:`shim_adapters.bitmask.apply_token_bitmask_`), which measured cheaper than
+        (:func:`shim_adapters.mask.bitmask.apply_token_bitmask_`), which measured cheaper than
         XGrammar's CPU kernel, warm (1.1-5.5x, ``benchmarks/apply_kernel.py``) and inside
         ``generate`` (``benchmarks/cold_ops.py``), and stays inside each row (XGrammar
         0.2.9's writes past it at some widths: docs/upstream-reports.md)."""

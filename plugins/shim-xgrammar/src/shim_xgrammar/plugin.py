@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from shim_adapters.backends import BackendSpec
-from shim_adapters.hookspecs import hookimpl
+from shim_adapters.backends.hookspecs import hookimpl
+from shim_adapters.backends.spec import BackendSpec
 
 from .masker import DECLARED_FEATURES, GRAMMAR_FORMATS, XGrammarMasker, xgrammar_version
 
-
-#: JSON-schema constructs as measured by shim_adapters.capability.probe_schema_support
+#: JSON-schema constructs as measured by shim_adapters.mask.capability.probe_schema_support
 #: (tests/test_capability.py checks this table against the backend): XGrammar 0.2.9 compiles
 #: but does not enforce the post-check ones (oneOf is enforced as anyOf).
 _EXACT = ("type", "enum", "const", "properties", "required", "additionalProperties", "items",
@@ -28,7 +27,7 @@ def register_backends(register):
         feature_status=DECLARED_FEATURES,
         create_masker=XGrammarMasker,
         description="XGrammar byte-level Earley masks; EBNF, JSON schema, regex natively, "
-                    "Lark through shim_adapters.grammar_convert",
+                    "Lark through shim_adapters.grammars.convert",
         schema_support=SCHEMA_SUPPORT,
         native_formats=("ebnf", "json_schema", "regex"),
     ))

@@ -26,9 +26,15 @@ from __future__ import annotations
 import warnings
 from typing import Any, Mapping, Sequence
 
-from shim_adapters.grammar import Grammar
-from shim_adapters.wrap import (ControllerLike, ShimWarning, ShimWrapper, bind_controller,
-                                controller_manifest, grammar_of_manifest)
+from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.integrations.hf import (
+    ControllerLike,
+    ShimWarning,
+    ShimWrapper,
+    bind_controller,
+    controller_manifest,
+    grammar_of_manifest,
+)
 
 from .masker import XGrammarMasker, XGrammarState
 

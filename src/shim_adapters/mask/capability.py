@@ -1,0 +1,338 @@
+"""What a backend does with each construct of a grammar or JSON schema.
+
+Silently ignoring a constraint is worse than refusing it: a masker that drops ``uniqueItems``
+still produces outputs that parse, so nobody notices that they violate the schema. Compiling
+therefore comes with a :class:`CapabilityReport` that says, per construct, whether it is
+
+* ``exact``: enforced by the mask, token by token;
+* ``lowered``: rewritten into an equivalent the backend enforces exactly (Lark -> EBNF ...);
+* ``post-check``: not enforced while generating, checked against the full schema afterwards
+  (:func:`validate_output`) so violators are marked, never passed off as valid;
+* ``rejected``: the backend cannot take it at all.
+
+Backends declare their JSON-schema support in their :class:`~shim_adapters.backends.spec.BackendSpec`
+(``schema_support``); :func:`probe_schema_support` measures it on a real tokenizer, so a
+declaration is checked against what the backend actually does (``tests/test_capability.py``).
+Strict mode (:func:`check_strict`) refuses a grammar with any post-check or rejected construct.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterator, Mapping
+
+from shim_adapters.errors import ShimError, UnsupportedGrammarError
+from shim_adapters.grammars.grammar import Grammar
+
+
+class Support(str, Enum):
+    EXACT = "exact"
+    LOWERED = "lowered"
+    POST_CHECK = "post-check"
+    REJECTED = "rejected"
+
+
+#: Keywords that describe but never constrain (JSON Schema 2020-12 annotations and containers).
+ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "title", "description", "default",
+                         "examples", "$defs", "definitions", "readOnly", "writeOnly",
+                         "deprecated", "$anchor"})
+#: Keywords whose value is a schema / a map of schemas / a list of schemas (walked into).
+_SUBSCHEMA = {"not", "if", "then", "else", "items", "additionalProperties", "contains",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+              "additionalItems"}
+_SCHEMA_MAP = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_SCHEMA_LIST = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_LOOKAROUND = re.compile(r"\(\?(=|!|<=|<!)")
+_BACKREF = re.compile(r"\\[1-9]|\(\?P=")
+
+
+def construct_name(keyword: str, value: Any) -> str:
+    """The construct a keyword stands for; a ``pattern`` is split by the regex features it
+    uses, since backends differ on lookarounds and backreferences, not on ``pattern``."""
+    if keyword in ("pattern", "patternProperties") and isinstance(value, str):
+        if _LOOKAROUND.search(value):
+            return f"{keyword}:lookaround"
+        if _BACKREF.search(value):
+            return f"{keyword}:backreference"
+    return keyword
+
+
+def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str]]:
+    """(JSON pointer, construct) for every keyword of ``schema`` and its subschemas."""
+    if not isinstance(schema, dict):
+        return
+    for keyword, value in schema.items():
+        where = f"{pointer}/{keyword}"
+        if keyword == "patternProperties" and isinstance(value, dict):
+            for pattern, sub in value.items():
+                yield where, construct_name("patternProperties", pattern)
+                yield from schema_constructs(sub, f"{where}/{pattern}")
+            continue
+        if keyword not in ("$defs", "definitions"):
+            yield pointer or "/", construct_name(keyword, value)
+        if keyword in _SUBSCHEMA:
+            yield from schema_constructs(value, where)
+        elif keyword in _SCHEMA_MAP and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from schema_constructs(sub, f"{where}/{name}")
+        elif keyword in _SCHEMA_LIST and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from schema_constructs(sub, f"{where}/{i}")
+
+
+@dataclass(frozen=True)
+class ConstructReport:
+    where: str
+    construct: str
+    support: Support
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CapabilityReport:
+    """Per-construct support of one grammar on one backend."""
+
+    grammar_name: str
+    grammar_format: str
+    backend: str
+    entries: tuple[ConstructReport, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def enforced(self) -> bool:
+        """Every construct is enforced by the mask (exactly or lowered)."""
+        return all(e.support in (Support.EXACT, Support.LOWERED) for e in self.entries)
+
+    @property
+    def rejected(self) -> tuple[ConstructReport, ...]:
+        return tuple(e for e in self.entries if e.support is Support.REJECTED)
+
+    @property
+    def post_checked(self) -> tuple[ConstructReport, ...]:
+        return tuple(e for e in self.entries if e.support is Support.POST_CHECK)
+
+    def by_construct(self) -> dict[str, Support]:
+        """Each construct's weakest support over every place it is used."""
+        order = list(Support)
+        out: dict[str, Support] = {}
+        for e in self.entries:
+            prev = out.get(e.construct)
+            if prev is None or order.index(e.support) > order.index(prev):
+                out[e.construct] = e.support
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"grammar": self.grammar_name, "format": self.grammar_format,
+                "backend": self.backend, "enforced": self.enforced, "notes": list(self.notes),
+                "constructs": [{"where": e.where, "construct": e.construct,
+                                "support": e.support.value, "note": e.note}
+                               for e in self.entries]}
+
+    def markdown(self) -> str:
+        lines = [f"capability of {self.grammar_name} ({self.grammar_format}) on {self.backend}: "
+                 + ("every construct enforced" if self.enforced else
+                    f"{len(self.post_checked)} checked only after generation, "
+                    f"{len(self.rejected)} rejected"), "",
+                 "| where | construct | support | note |", "|---|---|---|---|"]
+        lines += [f"| {e.where} | {e.construct} | {e.support.value} | {e.note} |"
+                  for e in self.entries]
+        lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _inherit_from_applicators(entries: list[ConstructReport]) -> list[ConstructReport]:
+    """A construct inside an applicator the mask ignores (``not``, ``if``, ...) is not
+    enforced either, whatever the backend does with it elsewhere."""
+    weak = [(f"{e.where.rstrip('/')}/{e.construct}", e) for e in entries
+            if e.support in (Support.POST_CHECK, Support.REJECTED) and e.construct in _SUBSCHEMA
+            | _SCHEMA_MAP | _SCHEMA_LIST]
+    out = []
+    for e in entries:
+        for prefix, outer in weak:
+            if (e.where == prefix or e.where.startswith(prefix + "/")) and \
+                    e.support in (Support.EXACT, Support.LOWERED):
+                e = ConstructReport(e.where, e.construct, outer.support,
+                                    f"inside {outer.construct} at {outer.where}")
+                break
+        out.append(e)
+    return out
+
+
+class StrictModeError(UnsupportedGrammarError):
+    """Strict mode: the backend cannot enforce every construct of the grammar."""
+
+
+def capability_report(grammar: Grammar, spec) -> CapabilityReport:
+    """What ``spec`` (a BackendSpec) does with each construct of ``grammar``, before compiling."""
+    from shim_adapters.grammars.convert import convert
+
+    entries: list[ConstructReport] = []
+    notes: list[str] = []
+    if grammar.format not in spec.grammar_formats:
+        entries.append(ConstructReport("/", f"format:{grammar.format}", Support.REJECTED,
+                                       f"{spec.name} takes {', '.join(spec.grammar_formats)}"))
+    elif grammar.format == "json_schema":
+        try:
+            schema = json.loads(grammar.text)
+        except ValueError as exc:
+            raise UnsupportedGrammarError(f"JSON schema is not valid JSON: {exc}",
+                                          grammar_name=grammar.name) from None
+        declared: Mapping[str, str] = getattr(spec, "schema_support", None) or {}
+        for where, construct in schema_constructs(schema):
+            if construct in ANNOTATIONS:
+                entries.append(ConstructReport(where, construct, Support.EXACT, "annotation"))
+                continue
+            status = declared.get(construct)
+            if status is None:
+                entries.append(ConstructReport(where, construct, Support.POST_CHECK,
+                                               f"{spec.name} does not declare this keyword"))
+            else:
+                entries.append(ConstructReport(where, construct, Support(status)))
+    else:
+        native = getattr(spec, "native_formats", None) or spec.grammar_formats
+        if grammar.format in native:
+            entries.append(ConstructReport("/", f"format:{grammar.format}", Support.EXACT))
+        else:
+            try:
+                target = next(f for f in native if f in ("lark", "ebnf") and f != grammar.format)
+                result = convert(grammar, target)
+                entries.append(ConstructReport("/", f"format:{grammar.format}",
+                                               Support.LOWERED if result.exact
+                                               else Support.REJECTED,
+                                               f"converted to {target}: "
+                                               + "; ".join(result.notes)))
+            except (StopIteration, ShimError) as exc:
+                entries.append(ConstructReport("/", f"format:{grammar.format}",
+                                               Support.REJECTED, str(exc)))
+    entries = _inherit_from_applicators(entries)
+    if any(e.support is Support.POST_CHECK for e in entries):
+        notes.append("outputs are validated against the full schema after generation and "
+                     "violators are marked (validate_output); --strict refuses instead")
+    return CapabilityReport(grammar.name, grammar.format, spec.name, tuple(entries),
+                            tuple(notes))
+
+
+def check_strict(report: CapabilityReport) -> None:
+    """Strict mode: refuse a grammar the backend cannot enforce completely."""
+    weak = [e for e in report.entries if e.support in (Support.POST_CHECK, Support.REJECTED)]
+    if weak:
+        listed = ", ".join(f"{e.construct} at {e.where} ({e.support.value})" for e in weak)
+        raise StrictModeError(f"strict mode: {report.backend} cannot enforce {listed}; use "
+                              f"another backend or drop --strict to check these after "
+                              f"generation", grammar_name=report.grammar_name)
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output checked against the full grammar (the second line of defence)."""
+
+    valid: bool
+    problems: tuple[str, ...] = ()
+
+
+def validate_output(grammar: Grammar, text: str) -> OutputCheck:
+    """Check ``text`` against the whole grammar/schema, not only what the mask enforced."""
+    if grammar.format == "json_schema":
+        import jsonschema
+
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            return OutputCheck(False, (f"not JSON: {exc}",))
+        validator = jsonschema.Draft202012Validator(json.loads(grammar.text))
+        problems = tuple(f"{'/' + '/'.join(map(str, e.absolute_path))}: {e.message} "
+                         f"({e.validator})" for e in validator.iter_errors(value))
+        return OutputCheck(not problems, problems)
+    from shim_adapters.grammars.reference import reference_acceptor
+
+    ok = reference_acceptor(grammar).accepts(text)
+    return OutputCheck(ok, () if ok else (f"not in the language of {grammar.name}",))
+
+
+# ---- measuring what a backend enforces --------------------------------------------------------
+
+#: (construct, schema, an instance that satisfies it, one that violates only that construct).
+SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
+    ("type", {"type": "integer"}, 3, "x"),
+    ("enum", {"enum": ["a", "b"]}, "a", "c"),
+    ("const", {"const": "a"}, "a", "b"),
+    ("properties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                    "required": ["a"], "additionalProperties": False}, {"a": 1}, {"a": "x"}),
+    ("required", {"type": "object", "properties": {"a": {"type": "integer"},
+                                                   "b": {"type": "integer"}},
+                  "required": ["a"], "additionalProperties": False}, {"a": 1}, {"b": 1}),
+    ("additionalProperties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                              "additionalProperties": False}, {"a": 1}, {"a": 1, "z": 2}),
+    ("items", {"type": "array", "items": {"type": "integer"}}, [1], ["x"]),
+    ("minItems", {"type": "array", "items": {"type": "integer"}, "minItems": 2}, [1, 2], [1]),
+    ("maxItems", {"type": "array", "items": {"type": "integer"}, "maxItems": 1}, [1], [1, 2]),
+    ("minLength", {"type": "string", "minLength": 2}, "ab", "a"),
+    ("maxLength", {"type": "string", "maxLength": 1}, "a", "ab"),
+    ("pattern", {"type": "string", "pattern": "^a+$"}, "aa", "ab"),
+    ("anyOf", {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}, 1, "x"),
+    ("$ref", {"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i"}, 3, "x"),
+    ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "integer", "minimum": 0}]}, -1, 5),
+    ("maxProperties", {"type": "object", "properties": {"a": {"type": "integer"},
+                                                        "b": {"type": "integer"}},
+                       "maxProperties": 1, "additionalProperties": False},
+     {"a": 1}, {"a": 1, "b": 2}),
+    ("minimum", {"type": "integer", "minimum": 5}, 7, 3),
+    ("maximum", {"type": "integer", "maximum": 5}, 3, 7),
+    ("not", {"type": "integer", "not": {"const": 3}}, 4, 3),
+    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"},
+                                                            "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}, "additionalProperties": False},
+     {"a": 1, "b": 2}, {"a": 1}),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+     [1, 2], [1, 1]),
+    ("if", {"type": "object", "properties": {"a": {"type": "integer"},
+                                             "b": {"type": "integer"}},
+            "if": {"properties": {"a": {"const": 1}}, "required": ["a"]},
+            "then": {"required": ["b"]}, "additionalProperties": False},
+     {"a": 1, "b": 2}, {"a": 1}),
+    ("pattern:lookaround", {"type": "string", "pattern": "^(?!ab)[a-z]{2}$"}, "aa", "ab"),
+    ("multipleOf", {"type": "integer", "multipleOf": 3}, 6, 4),
+    ("minProperties", {"type": "object", "properties": {"a": {"type": "integer"},
+                                                        "b": {"type": "integer"}},
+                       "minProperties": 2, "additionalProperties": False},
+     {"a": 1, "b": 2}, {"a": 1}),
+)
+
+
+def _accepts(masker, tokenizer, text: str) -> bool:
+    state = masker.new_state()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not state.allowed_mask()[token]:
+            return False
+        state.advance(token)
+    return bool(state.eos_allowed())
+
+
+def probe_schema_support(spec, tokenizer, vocab_size: int | None = None,
+                         probes=SCHEMA_PROBES) -> dict[str, str]:
+    """Measure, per construct, what ``spec`` does: compile a small schema using it and walk a
+    satisfying and a violating instance through the mask. ``exact``: the valid one passes and
+    the violating one is refused; ``post-check``: the violating one passes (ignored);
+    ``rejected``: the schema does not compile; ``inconclusive: ...`` otherwise."""
+    from shim_adapters.grammars.grammar import Grammar
+
+    found: dict[str, str] = {}
+    for construct, schema, good, bad in probes:
+        grammar = Grammar(text=json.dumps(schema), format="json_schema", name=f"probe-{construct}")
+        try:
+            masker = spec.compile(grammar, tokenizer, vocab_size)
+        except ShimError:
+            found[construct] = Support.REJECTED.value
+            continue
+        good_ok = _accepts(masker, tokenizer, json.dumps(good, separators=(",", ":")))
+        bad_ok = _accepts(masker, tokenizer, json.dumps(bad, separators=(",", ":")))
+        if good_ok and not bad_ok:
+            found[construct] = Support.EXACT.value
+        elif good_ok and bad_ok:
+            found[construct] = Support.POST_CHECK.value
+        else:
+            found[construct] = "inconclusive: the satisfying instance is refused"
+    return found
