@@ -29,8 +29,8 @@ and the steps timed on a second, fresh set, so a hit pays the state dump whereve
 prefix is new (``trie served``: the share of keys the trie gave without a dump).
 
 γ and the core's kernel get a new logits tensor each step, as inside ``generate`` (timing
-them on one tensor reused every step, as before session 9, lets ``numpy_view``'s memo serve a
-view that decoding never has, and favours numpy over torch).
+them on one tensor reused every step lets ``numpy_view``'s memo serve a view that decoding
+never has, and favours numpy over torch).
 
 Hit rates are those of the first (cold) pass over the warm-up samples in batch order. Torch
 pinned to one thread. Medians (p50) and p99 in µs per batch step.

@@ -1,8 +1,8 @@
 """How many tokens ``llguidance.hf.from_tokenizer`` spells with other bytes than they have.
 
 Compares llguidance's ``decode_bytes`` per token with shim-outlines' byte table for each
-tokenizer (session 6: SmolLM2's GGUF-converted tokenizer 32,888 of 49,152; the seven
-conformance tokenizers and the shipped one 0)::
+tokenizer (2026-12-01, commit 43aaf84: SmolLM2's GGUF-converted tokenizer 32,888 of 49,152;
+the seven conformance tokenizers and the shipped one 0)::
 
     python benchmarks/llguidance_token_bytes.py shipped gpt2 mistral-v1 qwen2.5 llama3 cl100k o200k smollm2
 """

@@ -1,10 +1,11 @@
 """Where masked decoding drifts: for masked samples, the steps where the LM's allowed mass Z
 falls below a threshold, with the forbidden tokens the LM wanted most there.
 
-This is the diagnosis behind the Spider gap of issue 11 (reports/spider-budget/): the masker
-only sees one token ahead, so it allows a token (a name, ``CONCAT``, ``ceil``) after which the
-LM wants something the grammar forbids (``(`` of a function call, EOS in an unfinished
-query); those are the states SHIM must learn to steer away from.
+This is the diagnosis behind the Spider results in reports/spider-budget/ (rollout against
+final-validity targets): the masker only sees one token ahead, so it allows a token (a name,
+``CONCAT``, ``ceil``) after which the LM wants something the grammar forbids (``(`` of a
+function call, EOS in an unfinished query); those are the states SHIM must learn to steer away
+from.
 
     python benchmarks/masked_drift_diagnosis.py --data ../shared/benchmarks --suite spider \
         --backend syncode --case spider-0000 --n 64

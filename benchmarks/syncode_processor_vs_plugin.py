@@ -1,8 +1,9 @@
 """SynCode's own ``grammar_strict`` processor and the shim-syncode plugin, side by side.
 
 Feeds a prefix token by token and prints, per step, how many tokens each allows and how many
-both allow (session 6, SmolLM2: after '(def' (bv4), 'SELECT iredry FROM' (sql) and '-0\\n'
-(json) SynCode allows only EOS tokens, the plugin allows the continuations)::
+both allow (2026-12-01, commit 43aaf84, SmolLM2: after '(def' (bv4), 'SELECT iredry FROM'
+(sql) and '-0\\n' (json) SynCode allows only EOS tokens, the plugin allows the
+continuations)::
 
     python benchmarks/syncode_processor_vs_plugin.py bv4 '(def' --lm smollm2
 """
