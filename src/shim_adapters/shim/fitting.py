@@ -20,7 +20,7 @@ The recipe depends on the regime, and the regime is measured, not guessed:
    stays. The never-worse-than-masking fallback of each fit is unchanged. Measured on the
    shipped LM (``reports/fast-rounds-*``, 600 samples): 3 rounds of 200 did not beat one round
    of 600 masked rollouts (bv4 −0.19 vs −0.22, json −0.10 vs −0.12, sql −0.03 vs −0.04 nats
-   against masking), as in the SmolLM2 trial of issue 11: the default is one round.
+   against masking), as on SmolLM2 (``reports/smollm2-matrix``): the default is one round.
 5. Top-ups (rollout target): a fit that is not trusted *only* because its held-out target ESS
    is below ``min_target_samples`` (where the LM is rarely valid, a few masked rollouts carry
    almost all the importance weight) says nothing about whether the correction helps. Then
@@ -41,9 +41,30 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 import numpy as np
+
+from shim_adapters.lm.prompting import detect_line_answers, render_prompt
+from shim_adapters.lm.sampling import PrefilledPrompt, prefill
+from shim_adapters.lm.views import stop_folded
+from shim_adapters.mask.protocol import Masker
+from shim_adapters.shim.artefact import build_manifest, save_controller
+from shim_adapters.shim.controller import make_controller
+from shim_adapters.shim.targets import (
+    completion_log_ratio,
+    effective_sample_size,
+    make_targets,
+    masked_row_logprob,
+    mixture_target_weights,
+    shim_row_logprob,
+    target_weights,
+)
+from shim_adapters.shim.training_data import (
+    TrainingData,
+    concat_training_data,
+    sample_training_data,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +72,7 @@ log = logging.getLogger(__name__)
 FIT_TARGETS = ("auto", "final", "rollout", "bootstrap")
 #: Proposals for the rounds after the first.
 ROUND_PROPOSALS = ("shim", "defensive")
-#: The issue's cap on LM samples per problem: top-ups stop here.
+#: The cap on LM samples per problem: top-ups stop here.
 DEFAULT_MAX_SAMPLES = 1000
 
 
@@ -77,6 +98,95 @@ def choose_target() -> tuple[str, dict[str, Any]]:
         "and far better where they are rare (reports/fast-targets-*, reports/smollm2-matrix)")}
 
 
+@dataclass(frozen=True)
+class FitRecipe:
+    """How a controller is fitted: every knob of the recipe, checked once.
+
+    ``shim fit``, ``shim eval`` and :func:`fit_controller` all build one of these, so the three
+    paths run the same recipe with the same defaults. ``target``: ``"auto"`` (module docstring),
+    ``"final"``, ``"rollout"`` or ``"bootstrap"`` (:mod:`shim_adapters.shim.targets`).
+    ``rounds``: iterated refits within the same total budget of ``n_samples`` LM samples
+    (rollout target only). ``max_samples``: the cap on LM samples for top-ups (module
+    docstring, item 5); a first draw of ``n_samples`` or more leaves none; None: no top-ups.
+    ``chat``: apply the tokenizer's chat template to the prompt. ``stop_at_newline``:
+    ``"auto"`` (probe), True or False. ``controller_params`` go to the controller's
+    constructor."""
+
+    kind: str = "LR_FULL"
+    n_samples: int = 1000
+    max_new_tokens: int = 128
+    seed: int = 0
+    target: str = "auto"
+    rounds: int = 1
+    round_proposal: str = "defensive"
+    defensive: float = 0.5
+    max_samples: int | None = DEFAULT_MAX_SAMPLES
+    chat: bool = False
+    stop_at_newline: bool | str = "auto"
+    bootstrap_rounds: int = 1
+    batch_size: int = 64
+    progress: bool = True
+    controller_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.target not in FIT_TARGETS:
+            raise ValueError(f"unknown target {self.target!r}; choose one of "
+                             f"{', '.join(FIT_TARGETS)}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.round_proposal not in ROUND_PROPOSALS:
+            raise ValueError(f"round_proposal must be one of {', '.join(ROUND_PROPOSALS)}")
+        if self.rounds > 1 and self.target in ("final", "bootstrap"):
+            raise ValueError(f"rounds > 1 refits on the controller's own rollouts; the "
+                             f"{self.target!r} target cannot use them (use target='rollout' or "
+                             f"'auto')")
+        if self.n_samples < self.rounds * 2:
+            raise ValueError(f"n_samples={self.n_samples} is too small for {self.rounds} "
+                             f"round(s)")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1 (or None: no top-ups), got "
+                             f"{self.max_samples}")
+
+    def new_controller(self):
+        return make_controller(self.kind, **self.controller_params)
+
+    def round_sizes(self) -> list[int]:
+        """LM samples per planned round: ``n_samples`` split evenly, the rest in round 1."""
+        sizes = [self.n_samples // self.rounds] * self.rounds
+        sizes[0] += self.n_samples - sum(sizes)
+        return sizes
+
+
+class Rollouts(Protocol):
+    """Where a fit's completions come from: ``draw`` returns replayed
+    :class:`~shim_adapters.shim.training_data.TrainingData` for ``n`` completions from the
+    proposal ``"lm"``, ``"masked"`` or ``"shim"`` (``controller``, mixed with masking by
+    ``defensive``)."""
+
+    def draw(self, n: int, proposal: str, seed: int, controller=None,
+             defensive: float = 0.0) -> TrainingData: ...
+
+
+@dataclass
+class InProcessRollouts:
+    """Completions drawn by this process's sampling engine on a prefilled prompt."""
+
+    lm: Any
+    masker: Masker
+    prefilled: PrefilledPrompt
+    max_new_tokens: int = 128
+    batch_size: int = 64
+    progress: bool = True
+
+    def draw(self, n: int, proposal: str, seed: int, controller=None,
+             defensive: float = 0.0) -> TrainingData:
+        return sample_training_data(self.lm, self.masker, self.prefilled.prompt, n,
+                                    max_new_tokens=self.max_new_tokens, seed=seed,
+                                    progress=self.progress, proposal=proposal,
+                                    controller=controller, prefilled=self.prefilled,
+                                    batch_size=self.batch_size, defensive=defensive)
+
+
 def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                    n_samples: int = 1000, *, output_dir=None, data=None,
                    max_new_tokens: int = 128, seed: int = 0, progress: bool = True,
@@ -89,207 +199,269 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
     """Sample training data (unless ``data`` is given), fit a controller, build its manifest.
 
     ``lm`` is a :class:`shim_adapters.lm.loading.LoadedLM`; ``prompt`` defaults to the grammar's
-    built-in prompt. ``target``: ``"auto"`` (see the module docstring), ``"final"``,
-    ``"rollout"`` or ``"bootstrap"`` (:mod:`shim_adapters.shim.targets`). ``data`` (round 1's
+    built-in prompt. The keyword arguments are those of :class:`FitRecipe`. ``data`` (round 1's
     completions) and ``prefilled`` (the prompt's prefill, on the LM view to use) let a caller
-    share one draw between controllers. ``rounds``: iterated refits within the same total
-    budget of ``n_samples`` LM samples (rollout target only). ``max_samples``: the cap on LM
-    samples for top-ups (module docstring, item 5); a first draw of ``n_samples`` or more
-    leaves none; None: no top-ups.
-    ``chat``: apply the tokenizer's chat template to the prompt. ``stop_at_newline``:
-    ``"auto"`` (probe), True or False. With ``output_dir`` the artefact is also written there
+    share one draw between controllers. With ``output_dir`` the artefact is also written there
     (and the returned manifest is the one on disk, checksums included). When the correction
     does not beat masking on held-out completions the controller falls back to β = 0 and says
     so (a warning, ``controller.decision_`` and the manifest's ``training.decision``).
     """
-    from shim_adapters.lm.prompting import detect_line_answers, render_prompt
-    from shim_adapters.lm.sampling import prefill
-    from shim_adapters.lm.views import stop_folded
-    from shim_adapters.shim.artefact import build_manifest, save_controller
-    from shim_adapters.shim.controller import make_controller
-    from shim_adapters.shim.targets import (
-        completion_log_ratio,
-        effective_sample_size,
-        make_targets,
-        target_weights,
-    )
-    from shim_adapters.shim.training_data import concat_training_data, sample_training_data
+    recipe = FitRecipe(kind=kind, n_samples=n_samples, max_new_tokens=max_new_tokens,
+                       seed=seed, target=target, rounds=rounds, round_proposal=round_proposal,
+                       defensive=defensive, max_samples=max_samples, chat=chat,
+                       stop_at_newline=stop_at_newline, bootstrap_rounds=bootstrap_rounds,
+                       batch_size=batch_size, progress=progress,
+                       controller_params=controller_params)
+    return fit_with_recipe(lm, masker, recipe, prompt, output_dir=output_dir, data=data,
+                           prefilled=prefilled)
 
-    if target not in FIT_TARGETS:
-        raise ValueError(f"unknown target {target!r}; choose one of {', '.join(FIT_TARGETS)}")
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if round_proposal not in ROUND_PROPOSALS:
-        raise ValueError(f"round_proposal must be one of {', '.join(ROUND_PROPOSALS)}")
-    if rounds > 1 and target in ("final", "bootstrap"):
-        raise ValueError(f"rounds > 1 refits on the controller's own rollouts; the {target!r} "
-                         f"target cannot use them (use target='rollout' or 'auto')")
-    if n_samples < rounds * 2:
-        raise ValueError(f"n_samples={n_samples} is too small for {rounds} round(s)")
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"max_samples must be >= 1 (or None: no top-ups), got {max_samples}")
+
+def fit_with_recipe(lm, masker, recipe: FitRecipe, prompt: str | None = None, *,
+                    output_dir=None, data=None, prefilled=None) -> tuple[Any, dict[str, Any]]:
+    """:func:`fit_controller` with the recipe as one value: prompt -> rollouts -> fit."""
+    prompt = _resolve_prompt(masker, prompt)
+    prompted = _prepare_prompt(lm, masker, prompt, recipe, given_data=data, prefilled=prefilled)
+    rollouts = InProcessRollouts(prompted.lm, masker, prompted.prefilled,
+                                 max_new_tokens=recipe.max_new_tokens,
+                                 batch_size=recipe.batch_size, progress=recipe.progress)
+    training: dict[str, Any] = {"prompting": prompted.record}
+    controller = run_recipe(rollouts, recipe, training, data=data)
+    return _write(controller, masker, lm, prompt, training, output_dir)
+
+
+def run_recipe(rollouts: Rollouts, recipe: FitRecipe, training: dict[str, Any], *,
+               data: TrainingData | None = None):
+    """The fit itself, from any source of rollouts: choose the target, fit on the first draw,
+    then the planned rounds and the thin-evidence top-ups. Fills ``training`` (the manifest's
+    training record) and returns the controller."""
+    chosen = _choose_target_for(recipe, data, training)
+    sizes = recipe.round_sizes()
+    if data is None:
+        data = rollouts.draw(sizes[0], "lm" if chosen == "final" else "masked", recipe.seed)
+    elif recipe.rounds > 1 and data.n_completions != sizes[0]:
+        sizes[0] = data.n_completions
+    training["p_valid_estimate"] = _p_valid_estimate(completion_log_ratio(data), data.valid)
+    fit = _first_fit(recipe, chosen, data)
+    _refit_rounds(fit, recipe, rollouts, sizes)
+    _record_training(training, fit, recipe)
+    return fit.controller
+
+
+def _resolve_prompt(masker, prompt: str | None) -> str:
     if prompt is None:
         prompt = masker.grammar.default_prompt
         if prompt is None:
             raise ValueError(f"grammar {masker.grammar.name!r} has no default prompt: give a "
                              f"prompt")
-    base_lm = lm
-    training: dict[str, Any] = {"prompting": {"chat": bool(chat)}}
+    return prompt
+
+
+@dataclass
+class _Prompted:
+    """The prompt as the rollouts see it."""
+
+    lm: Any  #: the LM view the rollouts use (stop-folded when answers end at a newline)
+    prefilled: PrefilledPrompt
+    record: dict[str, Any]  #: the manifest's ``training.prompting``
+
+
+def _prepare_prompt(lm, masker, prompt: str, recipe: FitRecipe, *, given_data,
+                    prefilled) -> _Prompted:
+    """Render and prefill the prompt once; probe where answers end (one-line answers to
+    few-shot prompts end at a newline, folded into EOS for every method alike)."""
+    record: dict[str, Any] = {"chat": bool(recipe.chat)}
     if prefilled is not None:  # the caller rendered (chat) and prefilled the prompt already
-        pre = prefilled
-    else:
-        rendered = render_prompt(lm.tokenizer, prompt, chat)
-        pre = prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
-
-    if data is None and prefilled is None:
-        if stop_at_newline == "auto":
-            probe = detect_line_answers(pre, masker, max_new_tokens=max_new_tokens, seed=seed)
-            fold = probe.fold
-            training["prompting"]["line_answer_probe"] = probe.as_dict()
-            if fold:
-                log.warning("answers end at a newline: %s", probe.reason)
-        else:
-            fold = bool(stop_at_newline)
-        training["prompting"]["stop_at_newline"] = fold
+        record["stop_at_newline"] = bool(recipe.stop_at_newline is True)
+        return _Prompted(lm, prefilled, record)
+    rendered = render_prompt(lm.tokenizer, prompt, recipe.chat)
+    pre = prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
+    if given_data is not None:  # the caller's data already fixed the LM view
+        record["stop_at_newline"] = bool(recipe.stop_at_newline is True)
+        return _Prompted(lm, pre, record)
+    if recipe.stop_at_newline == "auto":
+        probe = detect_line_answers(pre, masker, max_new_tokens=recipe.max_new_tokens,
+                                    seed=recipe.seed)
+        fold = probe.fold
+        record["line_answer_probe"] = probe.as_dict()
         if fold:
-            lm = stop_folded(lm, masker.eos_token_ids)
-            pre = prefill(lm, pre.prompt, add_special_tokens=rendered.add_special_tokens)
-    else:  # the caller's data / prefilled prompt already fixed the LM view
-        training["prompting"]["stop_at_newline"] = bool(stop_at_newline is True)
+            log.warning("answers end at a newline: %s", probe.reason)
+    else:
+        fold = bool(recipe.stop_at_newline)
+    record["stop_at_newline"] = fold
+    if fold:
+        lm = stop_folded(lm, masker.eos_token_ids)
+        pre = prefill(lm, pre.prompt, add_special_tokens=rendered.add_special_tokens)
+    return _Prompted(lm, pre, record)
 
-    def draw(n, proposal, round_seed, controller=None, mix=0.0):
-        return sample_training_data(lm, masker, pre.prompt, n, max_new_tokens=max_new_tokens,
-                                    seed=round_seed, progress=progress, proposal=proposal,
-                                    controller=controller, prefilled=pre,
-                                    batch_size=batch_size, defensive=mix)
 
-    def new():
-        return make_controller(kind, **controller_params)
-
-    # --- the target --------------------------------------------------------------------
+def _choose_target_for(recipe: FitRecipe, data, training: dict[str, Any]) -> str:
     if data is not None:
-        chosen = target if target != "auto" else (
+        chosen = recipe.target if recipe.target != "auto" else (
             "final" if data.manifest.get("sampling", {}).get("proposal", "lm") == "lm"
             else "rollout")
-        training["target_reason"] = "given data" if target == "auto" else "asked for"
-    elif target == "auto":
+        training["target_reason"] = "given data" if recipe.target == "auto" else "asked for"
+    elif recipe.target == "auto":
         chosen, info = choose_target()
         training.update(info)
     else:
-        chosen = target
+        chosen = recipe.target
         training["target_reason"] = "asked for"
     training["target"] = chosen
+    return chosen
 
-    # --- round 1 -------------------------------------------------------------------------
-    per_round = [n_samples // rounds] * rounds
-    per_round[0] += n_samples - sum(per_round)
-    if data is None:
-        data = draw(per_round[0], "lm" if chosen == "final" else "masked", seed)
-    elif rounds > 1 and data.n_completions != per_round[0]:
-        per_round[0] = data.n_completions
-    training["p_valid_estimate"] = _p_valid_estimate(completion_log_ratio(data), data.valid)
-    targets = make_targets(chosen, data, new, rounds=bootstrap_rounds)
+
+@dataclass
+class _Fit:
+    """A fit in progress: the current controller and everything drawn so far."""
+
+    chosen: str
+    controller: Any
+    targets: Any
+    #: Every pooled draw with the proposal it came from, so that the pool's target weights can
+    #: use the balance heuristic (each completion scored under every proposal).
+    parts: list
+    history: list[dict]
+    spent: int
+    pool: Any
+    pooled: Any = None
+    cap: int = 0
+
+
+def _first_fit(recipe: FitRecipe, chosen: str, data) -> _Fit:
+    targets = make_targets(chosen, data, recipe.new_controller, rounds=recipe.bootstrap_rounds)
     if targets.data.n_rows == 0:
         raise ValueError(
             f"no training rows: all {data.n_completions} unconstrained completions were refused "
             f"by the masker at their first token (valid fraction {np.mean(data.valid):.3g}); "
             f"the final-validity target needs valid draws: use target='rollout' (or 'auto')")
-    controller = new().fit(targets.data, y=targets.y, completion_weight=targets.completion_weight)
-    history = [_round_entry(1, data, targets, controller, kept=True)]
-    history[0].update(kind="first draw", lm_samples=int(data.n_completions))
-    pool = data
+    controller = recipe.new_controller().fit(targets.data, y=targets.y,
+                                             completion_weight=targets.completion_weight)
+    first = _round_entry(1, data, targets, controller, kept=True)
+    first.update(kind="first draw", lm_samples=int(data.n_completions))
+    return _Fit(chosen, controller, targets, [_Part(data, None, 0.0)], [first],
+                int(data.n_completions), data)
 
-    # --- later rounds and top-ups -----------------------------------------------------------
-    # Every pooled part remembers the proposal it was drawn from, so that the pool's target
-    # weights can use the balance heuristic (each completion scored under every proposal).
-    parts = [_Part(data, None, 0.0)]
-    spent = topup_size = int(data.n_completions)
-    cap = max(spent + sum(per_round[1:]), max_samples or 0)  # never below the planned rounds
+
+def _is_thin(fit: _Fit) -> bool:
+    """Not trusted only for want of held-out evidence (rollout target)."""
+    return (fit.chosen == "rollout" and
+            getattr(fit.controller, "fallback_reason_", None) == "low_target_samples")
+
+
+def _next_proposal(fit: _Fit, recipe: FitRecipe, thin: bool):
+    """Who draws the next round: where the candidate points when evidence is thin, masking
+    when the fit fell back, else the controller (defensively mixed with masking)."""
+    if thin:
+        return fit.controller.untrusted_candidate(), recipe.defensive
+    if fit.controller.falls_back_to_masking_:
+        return None, 0.0
+    return fit.controller, (recipe.defensive if recipe.round_proposal == "defensive" else 0.0)
+
+
+def _refit_rounds(fit: _Fit, recipe: FitRecipe, rollouts: Rollouts, sizes: list[int]) -> None:
+    """Planned rounds, then top-ups while the evidence is thin and the cap allows."""
+    topup_size = fit.spent
+    fit.cap = max(fit.spent + sum(sizes[1:]), recipe.max_samples or 0)  # never below the plan
     r = 1
     while True:
         r += 1
-        regular = r <= rounds
-        thin = (chosen == "rollout" and
-                getattr(controller, "fallback_reason_", None) == "low_target_samples")
-        if not regular and not (thin and spent < cap):
+        regular = r <= recipe.rounds
+        thin = _is_thin(fit)
+        if not regular and not (thin and fit.spent < fit.cap):
             if thin:
                 log.warning("held-out evidence still thin (ESS %.3g) after %d LM samples: the "
-                            "cap of %d is spent; %s", controller.heldout_effective_samples_,
-                            spent, cap, controller.decision_)
-            break
-        if regular:
-            n_draw = per_round[r - 1]
-        else:
-            n_draw = min(topup_size, cap - spent)
-        if thin:  # not trusted only for want of evidence: draw where the candidate points
-            proposer, mix = controller.untrusted_candidate(), defensive
-        elif controller.falls_back_to_masking_:
-            proposer, mix = None, 0.0
-        else:
-            proposer, mix = controller, (defensive if round_proposal == "defensive" else 0.0)
-        fresh = draw(n_draw, "masked" if proposer is None else "shim", seed + 1000 * r,
-                     proposer, mix)
-        spent += n_draw
-        parts.append(_Part(fresh, proposer, mix))
-        pool = concat_training_data([p.data for p in parts])
-        pooled = _pooled_targets(pool, parts)
-        candidate = new().fit(pooled.data, y=pooled.y,
-                              completion_weight=pooled.completion_weight)
+                            "cap of %d is spent; %s", fit.controller.heldout_effective_samples_,
+                            fit.spent, fit.cap, fit.controller.decision_)
+            return
+        n_draw = sizes[r - 1] if regular else min(topup_size, fit.cap - fit.spent)
+        proposer, mix = _next_proposal(fit, recipe, thin)
+        fresh = rollouts.draw(n_draw, "masked" if proposer is None else "shim",
+                              recipe.seed + 1000 * r, proposer, mix)
+        fit.spent += n_draw
+        fit.parts.append(_Part(fresh, proposer, mix))
+        fit.pool = concat_training_data([p.data for p in fit.parts])
+        fit.pooled = _pooled_targets(fit.pool, fit.parts)
+        candidate = recipe.new_controller().fit(
+            fit.pooled.data, y=fit.pooled.y, completion_weight=fit.pooled.completion_weight)
         if regular and not thin:
-            gain, se = _gain_on_fresh(candidate, controller, pool, fresh, pooled)
-            keep = bool(np.isfinite(gain) and gain > controller.min_gain_se * se)
-            entry = _round_entry(r, fresh, pooled, candidate, kept=keep,
-                                 gain_over_previous=gain, gain_se=se)
-            log.info("round %d: refit gains %.3g ± %.3g nats on fresh rollouts: %s", r, gain,
-                     se, "kept" if keep else "previous controller kept")
+            keep, entry = _judge_round(r, fit, fresh, candidate)
         else:
             # the current fit fell back for want of evidence, so nothing trusted is replaced:
             # the refit on the larger pool decides by the usual criterion (and may fall back)
-            keep = True
-            entry = _round_entry(r, fresh, pooled, candidate, kept=True)
-            entry.update({
-                "kind": "round" if regular else "top-up",
-                "reason": (f"thin evidence: held-out target ESS "
-                           f"{controller.heldout_effective_samples_:.3g} below the floor "
-                           f"{controller.min_target_samples:g}"),
-                "proposal_beta": float(proposer.beta_), "proposal_defensive": float(mix),
-                "heldout_ess_before": float(controller.heldout_effective_samples_),
-                "heldout_ess_after": float(candidate.heldout_effective_samples_),
-                "decision_after": candidate.decision_, "lm_samples_total": int(spent),
-                # the same pool weighted by each completion's own proposal ratio, for contrast
-                "heldout_ess_own_ratio": effective_sample_size(target_weights(pool))})
-            log.warning("top-up %d: %d LM samples from the untrusted fit (β %.3g, defensive "
-                        "%.2g): held-out ESS %.3g -> %.3g; %s", r, n_draw, proposer.beta_, mix,
-                        controller.heldout_effective_samples_,
-                        candidate.heldout_effective_samples_, candidate.decision_)
+            keep, entry = True, _topup_entry(r, fit, fresh, candidate, proposer, mix, regular)
         entry["lm_samples"] = int(n_draw)
         entry.setdefault("kind", "round")
-        history.append(entry)
+        fit.history.append(entry)
         if keep:
-            controller, targets = candidate, pooled
-    if len(parts) > 1:  # every LM sample drawn, by the balance heuristic
-        training["p_valid_estimate_pooled"] = pooled.p_valid_estimate
-    training["max_samples"] = int(cap)
-    training["lm_samples_total"] = int(spent)
-    controller.target_ = chosen
-    controller.prompting_ = dict(training["prompting"])
-    keys = ("n_samples", "n_rows", "n_states", "valid_fraction", "truncated", "cut",
-            "masker_rejected_valid", "masker_accepted_invalid", "sampling", "sample_seconds",
-            "forward_tokens")
-    training.update({f"data_{k}": pool.manifest[k] for k in keys if k in pool.manifest})
-    training["target_effective_samples"] = targets.effective_target_samples
-    training["target_clipped_fraction"] = targets.clipped_fraction
-    training["rounds"] = history
-    valid_total = int(np.sum(pool.valid))
+            fit.controller, fit.targets = candidate, fit.pooled
+
+
+def _judge_round(r: int, fit: _Fit, fresh, candidate) -> tuple[bool, dict]:
+    """Keep a planned round's refit only when it beats the current controller on the round's
+    fresh completions by more than ``min_gain_se`` standard errors."""
+    gain, se = _gain_on_fresh(candidate, fit.controller, fit.pool, fresh, fit.pooled)
+    keep = bool(np.isfinite(gain) and gain > fit.controller.min_gain_se * se)
+    log.info("round %d: refit gains %.3g ± %.3g nats on fresh rollouts: %s", r, gain, se,
+             "kept" if keep else "previous controller kept")
+    return keep, _round_entry(r, fresh, fit.pooled, candidate, kept=keep,
+                              gain_over_previous=gain, gain_se=se)
+
+
+def _topup_entry(r: int, fit: _Fit, fresh, candidate, proposer, mix: float,
+                 regular: bool) -> dict:
+    before = fit.controller
+    entry = _round_entry(r, fresh, fit.pooled, candidate, kept=True)
+    entry.update({
+        "kind": "round" if regular else "top-up",
+        "reason": (f"thin evidence: held-out target ESS "
+                   f"{before.heldout_effective_samples_:.3g} below the floor "
+                   f"{before.min_target_samples:g}"),
+        "proposal_beta": float(proposer.beta_), "proposal_defensive": float(mix),
+        "heldout_ess_before": float(before.heldout_effective_samples_),
+        "heldout_ess_after": float(candidate.heldout_effective_samples_),
+        "decision_after": candidate.decision_, "lm_samples_total": int(fit.spent),
+        # the same pool weighted by each completion's own proposal ratio, for contrast
+        "heldout_ess_own_ratio": effective_sample_size(target_weights(fit.pool))})
+    log.warning("top-up %d: %d LM samples from the untrusted fit (β %.3g, defensive %.2g): "
+                "held-out ESS %.3g -> %.3g; %s", r, fresh.n_completions, proposer.beta_, mix,
+                before.heldout_effective_samples_, candidate.heldout_effective_samples_,
+                candidate.decision_)
+    return entry
+
+
+_DATA_KEYS = ("n_samples", "n_rows", "n_states", "valid_fraction", "truncated", "cut",
+              "masker_rejected_valid", "masker_accepted_invalid", "sampling", "sample_seconds",
+              "forward_tokens")
+
+
+def _record_training(training: dict[str, Any], fit: _Fit, recipe: FitRecipe) -> None:
+    """The manifest's training record: what was drawn, how it was weighted, every round."""
+    if len(fit.parts) > 1:  # every LM sample drawn, by the balance heuristic
+        training["p_valid_estimate_pooled"] = fit.pooled.p_valid_estimate
+    training["max_samples"] = int(fit.cap)
+    training["lm_samples_total"] = int(fit.spent)
+    fit.controller.target_ = fit.chosen
+    fit.controller.prompting_ = dict(training.get("prompting", {}))
+    training.update({f"data_{k}": fit.pool.manifest[k] for k in _DATA_KEYS
+                     if k in fit.pool.manifest})
+    training["target_effective_samples"] = fit.targets.effective_target_samples
+    training["target_clipped_fraction"] = fit.targets.clipped_fraction
+    training["rounds"] = fit.history
+    valid_total = int(np.sum(fit.pool.valid))
     training["forward_tokens_per_valid_sample"] = (
-        float(pool.manifest.get("forward_tokens", 0)) / valid_total if valid_total else None)
-    if chosen == "bootstrap":
-        training["bootstrap_rounds"] = bootstrap_rounds
+        float(fit.pool.manifest.get("forward_tokens", 0)) / valid_total if valid_total
+        else None)
+    if fit.chosen == "bootstrap":
+        training["bootstrap_rounds"] = recipe.bootstrap_rounds
+
+
+def _write(controller, masker, lm, prompt: str, training: dict[str, Any],
+           output_dir) -> tuple[Any, dict[str, Any]]:
     if output_dir is not None:
-        manifest = save_controller(output_dir, controller, masker, base_lm, prompt=prompt,
+        manifest = save_controller(output_dir, controller, masker, lm, prompt=prompt,
                                    training=training)
     else:
-        manifest = build_manifest(controller, masker, base_lm, prompt=prompt, training=training)
+        manifest = build_manifest(controller, masker, lm, prompt=prompt, training=training)
     return controller, manifest
 
 
