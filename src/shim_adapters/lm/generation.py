@@ -18,6 +18,8 @@ import torch
 from transformers import LogitsProcessor
 
 from shim_adapters.errors import DeadEndError, VocabMismatchError
+from shim_adapters.lm.loading import LoadedLM, eos_token_ids
+from shim_adapters.lm.sampling import prefill, sample
 from shim_adapters.mask.bitmask import EmptyRowCheck, allocate_token_bitmask, pack_mask
 from shim_adapters.mask.protocol import Masker, MaskerState
 
@@ -169,7 +171,7 @@ class MaskedLogitsProcessor(LogitsProcessor):
         elif hasattr(adjuster, "add_log_gamma_"):
             # γ first, then the mask: the mask sets every forbidden token to -inf whatever was
             # added, and the γ add runs before the kernel has swept the logits through the
-            # cache (measured: the same add costs several times more right after it)
+            # cache (benchmarks/gamma_mask_cost.md, 'γ before the mask')
             self._apply_adjuster(scores, live=self._live)
             masker.apply_token_bitmask_(scores, bitmask)
         else:
@@ -227,9 +229,6 @@ def generate_masked(model, tokenizer, masker: Masker, prompt: str, num_samples: 
                     seed: int | None = None, batch_size: int = 64) -> MaskedGeneration:
     """Sample ``num_samples`` constrained completions of ``prompt`` with the sampling engine
     (:mod:`shim_adapters.lm.sampling`: one prefill, batched, the LM as it is otherwise)."""
-    from shim_adapters.lm.loading import LoadedLM, eos_token_ids
-    from shim_adapters.lm.sampling import prefill, sample
-
     lm = LoadedLM(model=model, tokenizer=tokenizer,
                   identifier=str(getattr(model, "name_or_path", type(model).__name__)),
                   revision="", vocab_size=masker.vocab_size,

@@ -57,18 +57,18 @@ _ITEMS = _LastTwo(_int32_items)
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """``tensor.numpy()``, remembered for the last two tensors. One processor call adds γ to
-    and masks one logits tensor with one preallocated bitmask, and each ``numpy()`` costs
-    5-15 µs inside ``generate`` (cold after the LM's forward pass). A tensor given new storage
-    in place (``set_``, ``resize_``) is not a case the hot path has. Raises as ``numpy()``
-    does (GPU, grad)."""
+    and masks one logits tensor with one preallocated bitmask, and ``numpy()`` is not free
+    inside ``generate`` (``benchmarks/gamma_mask_cost.md``, 'numpy views remembered'). A tensor
+    given new storage in place (``set_``, ``resize_``) is not a case the hot path has. Raises
+    as ``numpy()`` does (GPU, grad)."""
     return _VIEWS(tensor)
 
 
 def word_items(words: np.ndarray) -> memoryview | None:
     """A flat int32 memoryview of a C-contiguous numpy bitmask (word ``w`` of row ``r`` at
     ``r * words.shape[1] + w``), remembered for the last two arrays; None for any other
-    layout. Reading or writing a few words through it costs a third of numpy's item access,
-    and inside ``generate`` (caches cold) numpy's scalar path costs microseconds per word."""
+    layout. Inside ``generate`` (caches cold) reading or writing a few words through it costs
+    less than numpy's item access (``benchmarks/gamma_mask_cost.md``, 'fix-up words')."""
     return _ITEMS(words)
 
 
@@ -140,16 +140,14 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     ``logits``: (batch, vocab) on any device; ``bitmask``: (batch, words) int32 (moved to the
     logits' device if needed). Columns past the bitmask's ``words * 32`` are masked too.
     On CPU each row's forbidden tokens come from :mod:`shim_adapters.mask.expansion` (the
-    row's bytes looked up, one ``masked_fill_``: inside ``generate`` 5-11 µs where unpacking
-    with numpy costs 20-49 µs at a 1k vocabulary, ``benchmarks/cold_ops.py``); rows too wide
-    to cache are unpacked with
-    numpy and written with one ``copyto``, measured 1.1-5.6x cheaper than XGrammar's CPU
-    kernel on real bv4 and json masks (``benchmarks/apply_kernel.py``) and 1.8-3x cheaper
-    than the torch bit operations (:func:`apply_token_bitmask_torch_`) used on other devices.
+    row's bytes looked up, one ``masked_fill_``); rows too wide to cache are unpacked with
+    numpy and written with one ``copyto``. On real masks both cost less than XGrammar's CPU
+    kernel and the torch bit operations (:func:`apply_token_bitmask_torch_`) used on other
+    devices (``benchmarks/gamma_mask_cost.md``, 'mask kernel').
     """
     if (logits.is_cpu and bitmask.is_cpu and bitmask.dtype is torch.int32
             and logits.dim() == 2 and bitmask.dim() == 2
-            and logits.shape[0] == bitmask.shape[0]):  # not len(): a Python call, 0.5 µs each
+            and logits.shape[0] == bitmask.shape[0]):  # not len(): a Python call each
         words = numpy_view(bitmask)
         width = logits.shape[1]
         covered = min(width, words.shape[1] * BITS_PER_WORD)
@@ -204,7 +202,7 @@ def _forbidden_bools(words: np.ndarray, vocab_size: int) -> np.ndarray:
 def numpy_rows_with_any(words: np.ndarray, vocab_size: int) -> np.ndarray:
     """:func:`rows_with_any` of a numpy bitmask."""
     full, rest = divmod(int(vocab_size), BITS_PER_WORD)
-    any_ = np.bitwise_or.reduce(words[:, :full], axis=1) != 0  # 1.5-2x cheaper than any()
+    any_ = np.bitwise_or.reduce(words[:, :full], axis=1) != 0  # cheaper than any()
     if rest:
         any_ |= (words[:, full] & ((1 << rest) - 1)) != 0
     return any_
@@ -224,7 +222,7 @@ def numpy_first_empty_row(words: np.ndarray, vocab_size: int) -> int | None:
             return None
         candidates = [0]
     else:
-        any_ = _or_reduce(words[:, :full], axis=1)  # 1.5-2x cheaper than any()
+        any_ = _or_reduce(words[:, :full], axis=1)  # cheaper than any(): 'dead-end check'
         if any_.all():
             return None
         candidates = np.flatnonzero(any_ == 0).tolist()
@@ -238,9 +236,9 @@ def numpy_first_empty_row(words: np.ndarray, vocab_size: int) -> int | None:
 class EmptyRowCheck:
     """:func:`numpy_first_empty_row` of one preallocated bitmask, asked once per decoding
     step. Up to :data:`MEMCMP_ROWS` rows it compares each row's full words with zero bytes
-    through a memoryview: inside ``generate`` (caches cold after the LM's forward pass)
-    numpy's reduction costs 8-25 µs and a bytes comparison 1-3 µs
-    (``benchmarks/cold_ops.py``)."""
+    through a memoryview: inside ``generate`` (caches cold after the LM's forward pass) that
+    costs a fraction of numpy's reduction (``benchmarks/gamma_mask_cost.md``, 'dead-end
+    check')."""
 
     def __init__(self, words: np.ndarray, vocab_size: int):
         self.words = words

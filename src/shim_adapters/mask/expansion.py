@@ -1,10 +1,10 @@
 """Packed mask rows expanded to bool tensors once, then reused by content.
 
 Why: inside ``generate`` each processor call runs with the CPU caches cold after the LM's
-forward pass. There, unpacking a row's bits with numpy and writing -inf costs 20-49 µs at a 1k
-vocabulary (XGrammar's own CPU kernel about the same), while torch's ``masked_fill_`` with a
-ready bool tensor costs 5-11 µs: torch's kernels are warm, the LM has just run them, and
-numpy's are not (``benchmarks/cold_ops.py``: per call inside ``generate``, the shipped LM).
+forward pass, where torch's ``masked_fill_`` with a ready bool tensor costs a fraction of
+unpacking a row's bits with numpy (or XGrammar's own CPU kernel): torch's kernels are warm,
+the LM has just run them, and numpy's are not (``benchmarks/gamma_mask_cost.md``, 'mask
+kernel', measured by ``benchmarks/cold_ops.py``).
 Decoding revisits few distinct masks, so the expansion is cached, keyed on the row's bytes:
 equal bytes are the same mask, so a hit is exact by construction.
 

@@ -16,6 +16,9 @@ import numpy as np
 import torch
 
 from shim_adapters.lm.generation import MaskedGeneration, MaskedLogitsProcessor, masked_generation
+from shim_adapters.lm.prompting import prefill_prompt
+from shim_adapters.lm.sampling import sample
+from shim_adapters.lm.views import stop_folded
 from shim_adapters.mask.bitmask import numpy_view
 from shim_adapters.mask.protocol import Masker, MaskerState
 from shim_adapters.shim.controller import Controller
@@ -48,8 +51,8 @@ class ShimAdjuster:
         #: True when the correction adds nothing: damped by β = 0 (the fit chose plain
         #: masking, e.g. where the controller did not beat it on held-out data). The adjuster
         #: then leaves the logits to the mask alone instead of adding zeros every step. Fixed
-        #: here, as the cache's values are (a plain attribute: the processors read it every
-        #: step, where a property's call cost 0.3 µs of a 3 µs batch-1 hit)
+        #: here, as the cache's values are; a plain attribute, since the processors read it
+        #: every step (benchmarks/gamma_mask_cost.md, 'hit-path trims')
         self.inert: bool = bool(damped and controller.beta_ == 0.0)
 
     def log_gamma(self, states: Sequence[MaskerState],
@@ -82,18 +85,14 @@ class ShimAdjuster:
                 raise ValueError(f"{len(states)} states but {len(rows)} rows")
             return scores
         cache = self.cache
-        shape = scores.shape  # its length and items: len(scores) is a Python call (0.5 µs)
+        shape = scores.shape  # read once: len() on a tensor is a Python call ('hit-path trims')
         if (len(states) == 1 and cache.dense and not exact and len(shape) == 2
                 and scores.dtype is torch.float32 and scores.is_cpu):
-            # batch 1: one torch add of the entry's row (inside generate torch's kernels are
-            # warm after the LM's forward pass and numpy's are not: 3-5 µs against 7-12 for
-            # numpy's add with the logits' numpy view, benchmarks/cold_ops.py). At batch 16
-            # numpy's gather-add below measured cheaper end to end than torch's
-            # index_select + add_, so batches take it. The gather layout (50k+ vocabularies)
-            # takes numpy's fancy add below: torch's index_add_ (session 12) and
-            # put_(accumulate=True) (session 13) of the row measured faster alone, warm, but
-            # slower per step in gamma_mask_cost.py (three A/B runs each;
-            # benchmarks/gamma_mask_cost.md).
+            # batch 1: one torch add of the entry's row, as inside generate torch's kernels are
+            # warm after the LM's forward pass and numpy's are not; batches take numpy's
+            # gather-add below, cheaper there (benchmarks/gamma_mask_cost.md, 'batch-1 γ add').
+            # The gather layout (50k+ vocabularies) takes numpy's fancy add below: index_add_
+            # and put_ are faster alone but slower in context (same file, 'gather layout').
             if rows is not None and len(rows) != 1:
                 raise ValueError(f"1 state but {len(rows)} rows")
             width = shape[1]
@@ -189,8 +188,8 @@ class ShimAdjuster:
         row) are masked only. True when done; False, with ``scores`` untouched, where the sum
         is not exact or does not pay: a non-finite logit, wide or non-float32 logits, a sparse
         γ table, batch 1 (there γ's add and the mask are one torch call each, and the check of
-        the logits' maximum cancels what the sum saves: measured slower warm, and inside
-        ``generate`` in two A/B runs of three). Then the caller adds γ and masks."""
+        the logits' maximum cancels what the sum saves: ``benchmarks/gamma_mask_cost.md``,
+        'summed rows'). Then the caller adds γ and masks."""
         cache = self.cache
         shape = scores.shape
         if (self.inert or len(shape) != 2 or shape[0] < _SUMMED_MIN_ROWS or not cache.dense
@@ -235,9 +234,6 @@ def sample_with_shim(lm, masker: Masker, controller: Controller | None, prompt: 
     ``training.prompting``), else False: the controller is only valid for the same LM view."""
     import torch
 
-    from shim_adapters.lm.prompting import prefill_prompt
-    from shim_adapters.lm.sampling import sample
-    from shim_adapters.lm.views import stop_folded
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")

@@ -5,8 +5,7 @@ Why: at a batch, SHIM's correction and the mask are otherwise two passes over th
 ``generate`` each pass runs with the caches cold after the LM's forward pass. A row's γ entry
 and its packed mask determine their sum exactly (-inf where the bit is clear, the entry's value
 where it is set), and decoding revisits few (entry, mask) pairs, so the sum is cached and one
-gather-add applies both (``benchmarks/gamma_mask_cost.md``, session 11: at json batch 16 the
-processor's extra time over XGrammar's own fell from 19-23 to 10-16 µs per token, A/B).
+gather-add applies both (``benchmarks/gamma_mask_cost.md``, 'summed rows').
 
 For batches only: at batch 1 the two passes are one torch call each, and the check below
 cancels what the sum saves (:meth:`~shim_adapters.shim.correction.ShimAdjuster.add_masked_log_gamma_`).
@@ -82,8 +81,8 @@ class MaskedGammaRows:
             else:
                 self.hits += 1
             slots.append(i)
-        # one numpy gather-add (measured cheaper inside generate than torch's index_select +
-        # add_)
+        # one numpy gather-add: cheaper inside generate than torch's index_select + add_
+        # (benchmarks/gamma_mask_cost.md, 'batch-1 γ add')
         view = numpy_view(scores)
         view += self._table[slots]
 
