@@ -8,7 +8,7 @@ missing) and no notion of a lexeme (partial lexeme missing).
 
 A state here is just the DFA state id over the shared, immutable ``Index``: forks are free.
 (``outlines_core.Guide`` is a cursor over the same index; copying one serialises the whole
-index, ~20 ms at 50k tokens, so it is not used per row.) Masks are a pure function of the DFA
+index, so it is not used per row.) Masks are a pure function of the DFA
 state and are memoised per masker as packed bits.
 """
 

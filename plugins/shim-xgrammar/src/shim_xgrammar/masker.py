@@ -394,7 +394,7 @@ class XGrammarMasker(Masker):
     def advance_states(self, states, token_ids) -> None:
         """``advance`` of each row, inlined for this masker's plain states (a batch's step is
         per-row Python overhead around XGrammar's accept). XGrammar's ``batch_accept_token``
-        measured slower than this loop at batch 16 (38 vs 23 µs), so it is not used."""
+        measured slower than this loop (``benchmarks/gamma_mask_cost.md``, 'XGrammar's step')."""
         size, special = self.tokenizer_size, self._special_ids
         start, movers = self._guard_start, self._guard_movers
         for state, token_id in zip(states, token_ids):
@@ -474,12 +474,11 @@ def _position_free_key(dump: str) -> str:
     item count); the header's step count is dropped. A ``str`` caches its hash, so the γ
     cache's lookup of a key the trie serves costs no hashing. String methods only, no regex
     and no Python loop over items: inside ``generate`` a new state's key is built with caches
-    cold, where a loop over items measured 28-37 µs (5 µs warm); warm, these string methods
-    cost 1.9 µs against 2.8 for one regex split (cold, the two were within noise). Each
-    offset lies between
-    ``rule_start_pos=`` and ``, sub_element_id=`` (XGrammar 0.2.9's layout), so one replace and
-    one split leave texts and offsets alternating; a dump in any other layout (an offset that
-    is not an integer) gets the reference's key itself, as one ``str`` (rare: speed moot). The same partition of states as
+    cold, where a loop over items measured slower (``benchmarks/gamma_mask_cost.md``, 'state
+    key'). Each offset lies between ``rule_start_pos=`` and ``, sub_element_id=`` (XGrammar
+    0.2.9's layout), so one replace and one split leave texts and offsets alternating; a dump
+    in any other layout (an offset that is not an integer) gets the reference's key itself, as
+    one ``str`` (rare: speed moot). The same partition of states as
     :func:`_position_free_key_regex` (the reference; tested)."""
     parts = dump.replace(", sub_element_id=", "rule_start_pos=").split("rule_start_pos=")
     starts = parts[1::2]
@@ -558,10 +557,10 @@ _ITEM_FIX_ROWS = 4
 class _KeyTrie:
     """Feature keys by token prefix: a matcher's state is a function of the tokens it
     accepted from the start, so a prefix seen before gives its key without XGrammar's state
-    dump (1.3 µs, most of a γ-cache hit). Exact by construction, unlike a (key, token) ->
+    dump, the largest item of a γ-cache hit. Exact by construction, unlike a (key, token) ->
     key memo: the position-free key does not determine the next one (after ``)`` or a closing
-    quote it depends on the enclosing rule, measured on 7-13% of bv4/json steps). Bounded:
-    when full it starts over (states keep walking the nodes they hold)."""
+    quote it depends on the enclosing rule; ``benchmarks/gamma_mask_cost.md``, 'state key').
+    Bounded: when full it starts over (states keep walking the nodes they hold)."""
 
     __slots__ = ("root", "nodes", "max_nodes", "served", "dumped")
 
