@@ -29,7 +29,7 @@ from shim_adapters.evaluation import EvalReport, load_suite
 from shim_adapters.lm.loading import load_lm
 from shim_adapters.lm.views import gqa_without_copies, stop_folded
 from shim_adapters.shim.artefact import load_controller
-from shim_adapters.shim.importance import exact_samples
+from shim_adapters.evaluation.importance import exact_samples
 
 
 def _log(msg: str) -> None:

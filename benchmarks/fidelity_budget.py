@@ -37,7 +37,7 @@ from shim_adapters.lm.loading import DEFAULT_LM_CONTROL_PROMPTS, load_lm
 from shim_adapters.lm.sampling import prefill
 from shim_adapters.shim.controller import make_controller
 from shim_adapters.shim.correction import ShimAdjuster
-from shim_adapters.shim.importance import exact_samples
+from shim_adapters.evaluation.importance import exact_samples
 from shim_adapters.shim.targets import make_targets
 from shim_adapters.shim.training_data import sample_training_data
 

@@ -22,7 +22,7 @@ from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.conformance.prefix import prefix_checker
 from shim_adapters.conformance.profiles import get_profile
 from shim_adapters.conformance.runner import resolve_tokenizer
-from shim_adapters.conformance.vocab import Vocabulary, decode_prefix
+from shim_adapters.mask.vocab import Vocabulary, decode_prefix
 from shim_adapters.grammars.grammar import Grammar, builtin_grammar
 from shim_adapters.grammars.reference import reference_acceptor
 

@@ -21,7 +21,7 @@ from shim_adapters.conformance.profiles import get_profile
 from shim_adapters.conformance.report import FAILURE_CLASSES
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.conformance.schema_reference import schema_lark
-from shim_adapters.conformance.vocab import Vocabulary
+from shim_adapters.mask.vocab import Vocabulary
 from shim_adapters.errors import UnsupportedGrammarError
 from shim_adapters.grammars.grammar import Grammar, builtin_grammar, load_grammar
 

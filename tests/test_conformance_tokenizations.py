@@ -18,7 +18,7 @@ from shim_adapters.conformance.profiles import get_profile
 from shim_adapters.conformance.report import FAILURE_CLASSES
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.conformance.tokenizations import excused_split
-from shim_adapters.conformance.vocab import Vocabulary
+from shim_adapters.mask.vocab import Vocabulary
 from shim_adapters.grammars.grammar import builtin_grammar
 from shim_adapters.mask.protocol import Tokenizations
 

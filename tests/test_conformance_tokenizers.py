@@ -23,7 +23,7 @@ from shim_adapters.conformance.reference_mask import (
 )
 from shim_adapters.conformance.report import FAILURE_CLASSES
 from shim_adapters.conformance.runner import resolve_tokenizer
-from shim_adapters.conformance.vocab import Vocabulary, decode_prefix
+from shim_adapters.mask.vocab import Vocabulary, decode_prefix
 from shim_adapters.errors import ShimError
 from shim_adapters.grammars.grammar import builtin_grammar
 from shim_adapters.mask.tokenizers_offline import load_local_tokenizer, load_offline_tokenizer

@@ -9,7 +9,7 @@ import torch
 from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation.exact_distribution import enumerate_language
 from shim_adapters.grammars.grammar import builtin_grammar
-from shim_adapters.shim.importance import (
+from shim_adapters.evaluation.importance import (
     effective_sample_size,
     exact_samples,
     imh_chain,

@@ -381,7 +381,7 @@ def test_llguidance_masker_declares_canonical_tokens_in_forced_text(gpt2, backen
 
 
 def _byte_token(tokenizer, data: bytes) -> int:
-    from shim_adapters.conformance.vocab import Vocabulary
+    from shim_adapters.mask.vocab import Vocabulary
 
     vocab = Vocabulary(tokenizer, len(tokenizer))
     return next(i for i, b in enumerate(vocab.token_bytes) if b == data)

@@ -42,7 +42,7 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def token_bytes(gpt2):
-    from shim_adapters.conformance.vocab import Vocabulary
+    from shim_adapters.mask.vocab import Vocabulary
 
     return Vocabulary(gpt2, len(gpt2)).token_bytes
 

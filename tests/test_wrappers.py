@@ -398,7 +398,7 @@ def test_upstream_syncode_keeps_constraining_inside_a_literal(lm, syncode_cls):
 
 # ---- byte tokens that break UTF-8: masked with one warning, never a disagreement -------------
 def _byte_id(lm, byte: int) -> int:
-    from shim_adapters.conformance.vocab import Vocabulary
+    from shim_adapters.mask.vocab import Vocabulary
 
     table = Vocabulary(lm.tokenizer, lm.vocab_size).token_bytes
     return next(i for i, b in enumerate(table) if b == bytes([byte]))

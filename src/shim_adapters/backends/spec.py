@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.capability import capability_report, check_strict
 from shim_adapters.mask.protocol import FEATURE_NAMES, FeatureStatus, Masker
 
 
@@ -59,16 +60,12 @@ class BackendSpec:
 
     def capability(self, grammar: Grammar):
         """Per-construct support of ``grammar`` on this backend (see :mod:`.capability`)."""
-        from shim_adapters.mask.capability import capability_report
-
         return capability_report(grammar, self)
 
     def compile(self, grammar: Grammar, tokenizer: object, vocab_size: int | None = None,
                 *, strict: bool = False, **options) -> Masker:
         """Compile ``grammar``; ``strict`` refuses one with a construct the mask cannot
         enforce. The masker carries its report as ``masker.capability``."""
-        from shim_adapters.mask.capability import check_strict
-
         report = self.capability(grammar)
         if strict:
             check_strict(report)

@@ -15,7 +15,7 @@ import json
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from shim_adapters.conformance.report import CellResult, DifferentialResult
 from shim_adapters.errors import ShimError

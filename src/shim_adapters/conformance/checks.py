@@ -14,23 +14,34 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
-
 from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.conformance.grammar_analysis import grammar_diagnostics
 from shim_adapters.conformance.known_bugs import Probe, known_bug, match_known_bug
-from shim_adapters.conformance.prefix import LarkPrefixChecker, PrefixUndecided
+from shim_adapters.conformance.prefix import (
+    LarkPrefixChecker,
+    PrefixUndecided,
+    prefix_checker,
+    refusal_checker,
+)
 from shim_adapters.conformance.profiles import Profile
+from shim_adapters.conformance.reference_mask import (
+    DEAD,
+    SKIPPED,
+    UNDECIDED,
+    VIABLE,
+    reference_verdicts,
+)
 from shim_adapters.conformance.report import CheckResult, Repro
 from shim_adapters.conformance.tokenizations import (
     ForcedText,
     declared_tokenizations,
     excused_split,
 )
-from shim_adapters.conformance.vocab import Vocabulary, decode_prefix
-from shim_adapters.errors import ForbiddenTokenError, ShimError
+from shim_adapters.errors import ForbiddenTokenError, ShimError, UnsupportedGrammarError
 from shim_adapters.grammars.grammar import Grammar
 from shim_adapters.grammars.reference import reference_acceptor
 from shim_adapters.mask.protocol import Masker, MaskerState, Tokenizations
+from shim_adapters.mask.vocab import Vocabulary, decode_prefix
 
 _CLOSERS = frozenset(b")]};\"'")
 _OPENERS = frozenset(b"([{")
@@ -130,9 +141,6 @@ class CellContext:
         """The reference that judges refused tokens: the prefix reference, or for a JSON
         schema its ordered reading (None, with ``refusal_note``, where it has none)."""
         if not hasattr(self, "_refusal"):
-            from shim_adapters.conformance.prefix import refusal_checker
-            from shim_adapters.errors import UnsupportedGrammarError
-
             self.refusal_note = None
             try:
                 self._refusal = refusal_checker(self.grammar)
@@ -172,8 +180,6 @@ class CellContext:
         if not self.has_unfinishable_rules:
             return False
         if self._syntactic is None:
-            from shim_adapters.conformance.prefix import prefix_checker
-
             self._syntactic = prefix_checker(self.grammar, finite=False)
         try:
             text, tail = decode_prefix(data)
@@ -777,14 +783,6 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
     every token: wrongly allowed (soundness; a dead end when only a rule that never finishes
     continues), wrongly blocked (completeness), control tokens allowed. Per state: counts and
     the shortest token of each kind; per cell: one prefix-minimised repro of each kind."""
-    from shim_adapters.conformance.reference_mask import (
-        DEAD,
-        SKIPPED,
-        UNDECIDED,
-        VIABLE,
-        reference_verdicts,
-    )
-
     p = ctx.profile
     summary = sound.info.setdefault("exhaustive", {})
     if ctx.prefix is None or p.exhaustive_states <= 0:

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-
 from shim_adapters.backends.registry import backends, get_backend
-from shim_adapters.backends.spec import BackendSpec
+from shim_adapters.conformance.profiles import get_profile
+from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.errors import ForbiddenTokenError
 from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.loading import load_lm
 from shim_adapters.mask.protocol import (
     FEATURE_NAMES,
     FeatureStatus,
@@ -43,6 +44,10 @@ from shim_adapters.mask.protocol import (
     MaskerState,
     StateFeatures,
 )
+from shim_adapters.mask.vocab import Vocabulary
+
+from shim_adapters.backends.spec import BackendSpec
+from shim_adapters.conformance.checks import CellContext, _choose
 
 #: Grammars every backend is checked on.
 CONTRACT_GRAMMARS: tuple[str, ...] = tuple(BUILTIN_GRAMMARS)
@@ -112,11 +117,8 @@ def contract_tokenizer():
     one named by $SHIM_CONTRACT_TOKENIZER (an offline name such as ``gpt2``, or a directory)."""
     chosen = os.environ.get(TOKENIZER_ENV_VAR)
     if chosen:
-        from shim_adapters.conformance.runner import resolve_tokenizer
-
         tok = resolve_tokenizer(chosen)
         return tok.tokenizer, max(tok.logits_width, len(tok.tokenizer)) + CONTRACT_PADDING
-    from shim_adapters.lm.loading import load_lm
 
     lm = load_lm(None)
     return lm.tokenizer, max(lm.vocab_size, len(lm.tokenizer)) + CONTRACT_PADDING
@@ -130,10 +132,6 @@ def contract_masker(backend: str, grammar: str) -> Masker:
 
 
 def _walk_context(masker: Masker, seed: int):
-    from shim_adapters.conformance.checks import CellContext
-    from shim_adapters.conformance.profiles import get_profile
-    from shim_adapters.conformance.vocab import Vocabulary
-
     return CellContext(masker=masker, grammar=masker.grammar,
                        vocab=Vocabulary(masker.tokenizer, masker.vocab_size),
                        tokenizer_name="contract", profile=get_profile("fast", seed=seed,
@@ -323,8 +321,6 @@ def check_describe(masker: Masker, seed: int = 0) -> None:
 
 def check_random_walks(masker: Masker, walks: int = 3, seed: int = 0) -> None:
     """Walks over allowed tokens that end in EOS end in strings the reference accepts."""
-    from shim_adapters.conformance.checks import _choose
-
     ref = reference_acceptor(masker.grammar)
     ctx = _walk_context(masker, seed)
     finished = 0

@@ -16,12 +16,12 @@ import time
 from typing import Sequence
 
 import numpy as np
-
-from shim_adapters.conformance.checks import CellContext
 from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.conformance.report import DifferentialResult
 from shim_adapters.conformance.tokenizations import excused_split
 from shim_adapters.mask.protocol import Masker, Tokenizations
+
+from shim_adapters.conformance.checks import CellContext
 
 
 def differential(contexts: Sequence[CellContext]) -> DifferentialResult:

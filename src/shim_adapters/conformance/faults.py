@@ -12,11 +12,13 @@ from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
-
-from shim_adapters.backends.spec import BackendSpec
+from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.errors import ForbiddenTokenError
 from shim_adapters.grammars.grammar import builtin_grammar
 from shim_adapters.mask.protocol import Masker, MaskerState, StateFeatures, Tokenizations
+from shim_adapters.mask.vocab import Vocabulary
+
+from shim_adapters.backends.spec import BackendSpec
 
 #: The defects that can be injected.
 FAULTS = {
@@ -170,8 +172,6 @@ class FaultyMasker(Masker):
         self.text_mask = np.zeros(n, dtype=bool)
         self.control_ids = np.zeros(0, dtype=np.int64)
         if fault in ("refuse_last_allowed", "unsound_late", "allow_control"):
-            from shim_adapters.conformance.vocab import Vocabulary
-
             vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
             ids = vocab.text_ids[vocab.text_ids < n]
             self.text_mask[ids] = True
@@ -184,8 +184,6 @@ class FaultyMasker(Masker):
             # The token valid strings of this grammar need most often (after the first one).
             from collections import Counter
 
-            from shim_adapters.conformance.generate import valid_strings
-            from shim_adapters.conformance.vocab import Vocabulary
 
             vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
             counts: Counter = Counter()

@@ -18,8 +18,12 @@ import copy
 import time
 
 import numpy as np
-
 from shim_adapters.conformance.report import CheckResult
+from shim_adapters.errors import ManifestMismatchError
+from shim_adapters.lm.generation import MaskedLogitsProcessor
+from shim_adapters.shim import artefact
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.fitting import fit_controller
 
 #: Manifest fields that, changed one at a time, must make ``check_manifest`` refuse.
 FOREIGN_FIELDS = ("backend", "backend_version", "grammar_sha256", "tokenizer_sha256",
@@ -33,11 +37,6 @@ def gamma_check(ctx, *, controller=None, controller_dir=None, lm=None,
     try:
         import torch
 
-        from shim_adapters.errors import ManifestMismatchError
-        from shim_adapters.lm.generation import MaskedLogitsProcessor
-        from shim_adapters.shim import artefact
-        from shim_adapters.shim.correction import ShimAdjuster
-        from shim_adapters.shim.fitting import fit_controller
     except ImportError as exc:
         res.not_run = f"controller modules not available ({exc})"
         return res

@@ -22,6 +22,8 @@ except ImportError:  # pragma: no cover - Python 3.10
     import sre_constants as sre_c  # type: ignore[no-redef]
     import sre_parse  # type: ignore[no-redef]
 
+from shim_adapters.conformance.grammar_analysis import analyse_lark
+from shim_adapters.grammars.convert import ebnf_to_lark
 from shim_adapters.grammars.grammar import Grammar
 from shim_adapters.grammars.reference import reference_acceptor
 
@@ -183,8 +185,6 @@ class LarkGenerator:
     MAX_EXPANSIONS = 4000
 
     def __init__(self, lark_text: str):
-        from shim_adapters.conformance.grammar_analysis import analyse_lark
-
         analysis = analyse_lark(lark_text)
         self.diagnostics = list(analysis.diagnostics)
         self._rules: dict[str, list[list]] = {}
@@ -335,7 +335,6 @@ def grammar_generator(grammar: Grammar):
         return JsonSchemaGenerator(grammar.text)
     if grammar.format == "lark":
         return LarkGenerator(grammar.text)
-    from shim_adapters.grammars.convert import ebnf_to_lark
 
     return LarkGenerator(ebnf_to_lark(grammar.text, grammar_name=grammar.name))
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from shim_adapters.errors import GrammarError
+from shim_adapters.grammars.convert import ebnf_to_lark
 
 
 @dataclass
@@ -112,8 +113,6 @@ def lark_text_of(grammar) -> str | None:
     if grammar.format == "lark":
         return grammar.text
     if grammar.format == "ebnf":
-        from shim_adapters.grammars.convert import ebnf_to_lark
-
         return ebnf_to_lark(grammar.text, grammar_name=grammar.name)
     return None
 

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from shim_adapters.conformance.prefix import prefix_checker
 from shim_adapters.conformance.report import Repro
 from shim_adapters.grammars.grammar import Grammar
 
@@ -197,8 +198,6 @@ def _only_bound_violations(r: Repro, grammar: Grammar | None) -> bool:
 @functools.lru_cache(maxsize=8)
 def _without_integer_bounds(schema_text: str):
     """The relaxed prefix reference of a schema with every integer's bounds dropped."""
-    from shim_adapters.conformance.prefix import prefix_checker
-
     def strip(node, names=False):
         if isinstance(node, dict):
             drop = () if names or node.get("type") != "integer" else _BOUNDS

@@ -25,9 +25,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from shim_adapters.conformance.grammar_analysis import analyse_lark, lark_text_of
+from shim_adapters.conformance.schema_reference import schema_lark
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError
 from shim_adapters.grammars.grammar import Grammar, builtin_grammar
+
+from shim_adapters.conformance.grammar_analysis import analyse_lark, lark_text_of
 
 
 class PrefixChecker(Protocol):
@@ -215,8 +217,6 @@ def prefix_checker(grammar: Grammar, finite: bool = True) -> PrefixChecker:
     if grammar.format == "regex":
         return RegexPrefixChecker(grammar.text)
     if grammar.format == "json_schema":
-        from shim_adapters.conformance.schema_reference import schema_lark
-
         try:
             text, dropped = schema_lark(grammar.text, ordered=False)
             checker = LarkPrefixChecker(text, name=f"{grammar.name} (schema, relaxed)")
@@ -241,7 +241,6 @@ def refusal_checker(grammar: Grammar) -> PrefixChecker | None:
     UnsupportedGrammarError when the schema has a construct that reading cannot express."""
     if grammar.format != "json_schema":
         return None
-    from shim_adapters.conformance.schema_reference import schema_lark
 
     text, _ = schema_lark(grammar.text, ordered=True)
     return LarkPrefixChecker(text, name=f"{grammar.name} (schema, ordered)",

@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from shim_adapters.conformance.report import FAILURE_CLASSES, parse_fail_on
+from shim_adapters.conformance.runner import run_conformance
 
 
 def pytest_addoption(parser) -> None:
@@ -36,8 +38,6 @@ def pytest_addoption(parser) -> None:
 
 
 def _classes(config) -> tuple[str, ...]:
-    from shim_adapters.conformance.report import parse_fail_on
-
     return parse_fail_on(config.getoption("--shim-fail-on"))
 
 
@@ -52,8 +52,6 @@ class ConformanceItem(pytest.Item):
     def _report(self):
         cache = self.config.stash.setdefault(_REPORTS, {})
         if self.grammar not in cache:
-            from shim_adapters.conformance.runner import run_conformance
-
             opt = self.config.getoption
             report = run_conformance(opt("--shim-conformance"), opt("--shim-tokenizer"),
                                      self.grammar, opt("--shim-profile"),
@@ -88,8 +86,6 @@ class ConformanceFailure(Exception):
         self.failure_class = failure_class
 
     def explain(self) -> str:
-        from shim_adapters.conformance.report import FAILURE_CLASSES
-
         checks = FAILURE_CLASSES[self.failure_class][1]
         lines = [f"{self.failure_class} failed (exit bit {FAILURE_CLASSES[self.failure_class][0]})"]
         for cell in self.report.cells:
@@ -133,8 +129,6 @@ def shim_conformance():
     """``shim_conformance(backend, tokenizer, grammar, fail_on=None, **kw) -> Report``; fails
     the calling test on any selected failure class, listing the minimised repros."""
     def run(backend, tokenizer, grammar, fail_on=None, **kwargs):
-        from shim_adapters.conformance.runner import run_conformance
-
         kwargs.setdefault("gamma", False)
         report = run_conformance(backend, tokenizer, grammar, fail_on=fail_on, **kwargs)
         if report.exit_code:

@@ -12,6 +12,18 @@ from typing import Callable, Iterable, Sequence
 
 from shim_adapters.backends.registry import backends as installed_backends
 from shim_adapters.backends.registry import get_backend
+from shim_adapters.conformance.profiles import Profile, get_profile
+from shim_adapters.errors import ShimError, UnsupportedGrammarError
+from shim_adapters.grammars.grammar import Grammar, load_grammar
+from shim_adapters.lm.loading import SMOLLM2_SPEC, load_lm
+from shim_adapters.mask.tokenizers_offline import (
+    OFFLINE_TOKENIZERS,
+    load_local_tokenizer,
+    load_offline_tokenizer,
+    offline_logits_width,
+)
+from shim_adapters.mask.vocab import Vocabulary
+
 from shim_adapters.backends.spec import BackendSpec
 from shim_adapters.conformance.cell_log import CellLog
 from shim_adapters.conformance.checks import CellContext, replay_known_bug, run_cell_checks
@@ -19,11 +31,7 @@ from shim_adapters.conformance.differential import differential
 from shim_adapters.conformance.gamma import gamma_check
 from shim_adapters.conformance.known_bugs import expected_known_bugs
 from shim_adapters.conformance.prefix import prefix_checker
-from shim_adapters.conformance.profiles import Profile, get_profile
 from shim_adapters.conformance.report import CellResult, CheckResult, Report, parse_fail_on
-from shim_adapters.conformance.vocab import Vocabulary
-from shim_adapters.errors import ShimError, UnsupportedGrammarError
-from shim_adapters.grammars.grammar import Grammar, load_grammar
 
 #: Tokenizer names meaning "the shipped LM's tokenizer".
 SHIPPED_TOKENIZER_NAMES = ("default", "shipped")
@@ -46,23 +54,12 @@ def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | No
     a ``tokenizer.json`` file, a tokenizer directory (a config is optional), a SentencePiece
     ``.model`` file, or a tokenizer object. ``eos``: the EOS token (text or id) for a
     tokenizer whose files do not name one."""
-    from shim_adapters.lm.loading import SMOLLM2_SPEC
-    from shim_adapters.mask.tokenizers_offline import (
-        OFFLINE_TOKENIZERS,
-        load_local_tokenizer,
-        load_offline_tokenizer,
-        offline_logits_width,
-    )
-
     if spec is None or (isinstance(spec, str) and spec in SHIPPED_TOKENIZER_NAMES):
-        from shim_adapters.lm.loading import load_lm
-
         lm = load_lm(None)
         return ResolvedTokenizer("shipped", lm.tokenizer, logits_width or lm.vocab_size, lm)
     if isinstance(spec, str) and spec == SMOLLM2_SPEC:
         # the real LM's tokenizer as transformers converts it from GGUF (its decoder chain
         # starts with ByteFallback: llguidance.hf misreads it, see shim_outlines.vocabulary)
-        from shim_adapters.lm.loading import load_lm
 
         lm = load_lm(SMOLLM2_SPEC)
         return ResolvedTokenizer(SMOLLM2_SPEC, lm.tokenizer, logits_width or lm.vocab_size, lm)
@@ -228,9 +225,6 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
 def tokenizer_label(spec) -> str:
     """The name :func:`resolve_tokenizer` gives ``spec``, without loading it (to plan a
     resumed matrix and skip a tokenizer whose cells are all done)."""
-    from shim_adapters.lm.loading import SMOLLM2_SPEC
-    from shim_adapters.mask.tokenizers_offline import OFFLINE_TOKENIZERS
-
     name = spec.get("name") if isinstance(spec, dict) else spec
     if name is None or (isinstance(name, str) and name in SHIPPED_TOKENIZER_NAMES):
         return "shipped"

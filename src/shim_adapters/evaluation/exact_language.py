@@ -13,7 +13,6 @@ from typing import Mapping
 
 import numpy as np
 import torch
-
 from shim_adapters.grammars.reference import reference_acceptor
 from shim_adapters.lm.generation import LogitAdjuster
 from shim_adapters.lm.sampling import PrefilledPrompt, eos_ids

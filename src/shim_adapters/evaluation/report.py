@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from shim_adapters.evaluation.mixture import MIN_ESS, format_kl
 
 SHIM_METHODS = ("lr_nt", "lr_full", "mlp")
 #: Below this many valid draws a bootstrap interval of the language KL is not reported as
@@ -251,8 +252,6 @@ def _label(method: str) -> str:
 
 def _importance_tables(r) -> list[str]:
     """KL at any P(L): the importance-sampled estimates over the pooled proposals."""
-    from shim_adapters.evaluation.mixture import MIN_ESS, format_kl
-
     cases = [c for c in r.cases if c.get("importance")]
     if not cases:
         return []

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from shim_adapters.evaluation.metrics import bootstrap_kl, language_kl, stability_curve
 from shim_adapters.evaluation.runner import EvalReport
 from shim_adapters.evaluation.scoring import MASKING
+
+from shim_adapters.evaluation.report import write_report
 
 
 def rescore_report(out_dir: str | Path, *, plots: bool = True) -> EvalReport:
@@ -22,7 +23,6 @@ def rescore_report(out_dir: str | Path, *, plots: bool = True) -> EvalReport:
     ``out_dir`` from ``scores/``; returns the updated report (also written back)."""
     from safetensors.numpy import load_file
 
-    from shim_adapters.evaluation.report import write_report
 
     out = Path(out_dir)
     report = EvalReport.from_json(out / "report.json")

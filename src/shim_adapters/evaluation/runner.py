@@ -20,9 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-
+from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation.asap import run_asap
-from shim_adapters.evaluation.exact_language import LanguageTooLargeError, enumerate_language
 from shim_adapters.evaluation.metrics import (
     bootstrap_kl,
     exact_kl,
@@ -31,14 +30,24 @@ from shim_adapters.evaluation.metrics import (
     stability_curve,
     support_of,
 )
+from shim_adapters.evaluation.mixture import MixtureDraws, mixture_kl
 from shim_adapters.evaluation.rejection import draw_lm_samples
 from shim_adapters.evaluation.scoring import MASKING, score_sequences
 from shim_adapters.evaluation.suites import EvalCase, Suite, load_suite
 from shim_adapters.evaluation.timing import PhaseTimer, peak_rss_mib
+from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.loading import load_lm
 from shim_adapters.lm.prompting import prefill_prompt
-from shim_adapters.lm.sampling import sample
+from shim_adapters.lm.sampling import eos_ids, sample
 from shim_adapters.lm.views import gqa_without_copies, stop_folded
 from shim_adapters.mask.protocol import Masker
+from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.fitting import choose_target, fit_controller
+from shim_adapters.shim.targets import TARGET_KINDS
+from shim_adapters.shim.training_data import sample_training_data
+
+from shim_adapters.evaluation.exact_language import LanguageTooLargeError, enumerate_language
+from shim_adapters.evaluation.report import write_report
 
 #: Method names, in report order. ``rejection`` is the exact target (KL 0 by construction).
 METHODS = ("masking", "lr_nt", "lr_full", "mlp", "asap", "rejection")
@@ -153,14 +162,10 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
     ``max_new_tokens``, ``batch_size``, ``data_dir``, ``cases``, ``limit``). With ``out_dir``
     the report (JSON, markdown, PNG plots) and the fitted controllers are written there.
     """
-    from shim_adapters.backends.registry import get_backend
-    from shim_adapters.lm.loading import load_lm
-
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     opts = EvalOptions(n_samples=n_samples, seed=seed, **options)
-    from shim_adapters.shim.targets import TARGET_KINDS
 
     if opts.target not in TARGET_KINDS + ("auto",):
         raise ValueError(f"unknown SHIM target {opts.target!r}; choose from "
@@ -193,12 +198,9 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
         report.seconds = time.perf_counter() - start
         report.peak_rss_mib = peak_rss_mib()
         if out_dir is not None:  # keep a usable report even if a later case fails
-            from shim_adapters.evaluation.report import write_report
 
             write_report(report, out_dir, plots=False)
     if out_dir is not None:
-        from shim_adapters.evaluation.report import write_report
-
         write_report(report, out_dir)
     return report
 
@@ -363,10 +365,6 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
 def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions, max_new: int,
               progress: bool, info: dict, out_dir: Path | None) -> dict[str, Any]:
     """Fit every SHIM kind on one shared draw (round 1; later rounds are each kind's own)."""
-    from shim_adapters.shim.correction import ShimAdjuster
-    from shim_adapters.shim.fitting import choose_target, fit_controller
-    from shim_adapters.shim.training_data import sample_training_data
-
     n_train = opts.n_train or opts.n_samples
     target, target_info = opts.target, {"target_reason": "asked for"}
     if target == "auto":
@@ -430,10 +428,6 @@ def _mixture_fidelity(pre, masker, adjusters: dict[str, Any], draws, opts: EvalO
                       max_new: int, progress: bool) -> dict[str, Any]:
     """Every masked method draws ``opts.mixture_samples``; the pooled draws (with the
     unconstrained ones) estimate each method's KL to p(·|G) by importance sampling."""
-    from shim_adapters.evaluation.mixture import MixtureDraws, mixture_kl
-    from shim_adapters.grammars.reference import reference_acceptor
-    from shim_adapters.lm.sampling import eos_ids
-
     acceptor = reference_acceptor(masker.grammar)
     eos = eos_ids(pre.lm, masker)
     names = ["lm"] + [m for m in adjusters if m == MASKING or m in SHIM_KINDS or
@@ -528,7 +522,6 @@ def _time_methods(pre, masker, adjusters, methods, opts, max_new, asap_run,
         if name == "rejection":
             draws = [sample(pre, 1, max_new_tokens=max_new, generator=gen, timer=timer)
                      for _ in range(k)]
-            from shim_adapters.grammars.reference import reference_acceptor
 
             acceptor = reference_acceptor(masker.grammar)
             accepted = sum(1 for d in draws if d.finished[0] and acceptor.accepts(

@@ -14,7 +14,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
-
 from shim_adapters.errors import ForbiddenTokenError, VocabMismatchError
 from shim_adapters.evaluation.timing import NullTimer, PhaseTimer
 from shim_adapters.lm.generation import LogitAdjuster

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
-
 from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
+from shim_adapters.grammars.transforms import prune_undefined_rules
 
 BUILTIN_SUITES = ("fast", "binary5", "json", "sql", "bv4", "slia", "cp", "spider")
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -79,8 +79,6 @@ def _builtin_case(name: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Ev
 def _ebnf_problem_suite(name: str, data_dir: str | Path, *, max_new_tokens: int,
                         prune_undefined: bool = False) -> Suite:
     """Problems given as ``X.ebnf`` grammar + ``X.txt`` few-shot prompt (one-line answers)."""
-    from shim_adapters.grammars.transforms import prune_undefined_rules
-
     root = Path(data_dir)
     grammars = sorted(root.glob("*.ebnf"))
     if not grammars:

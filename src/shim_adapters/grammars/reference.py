@@ -14,6 +14,7 @@ import re
 from typing import Protocol
 
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError
+from shim_adapters.grammars.convert import ebnf_to_lark
 from shim_adapters.grammars.grammar import Grammar
 
 
@@ -30,8 +31,6 @@ class LarkAcceptor:
         if grammar.format == "lark":
             text = grammar.text
         elif grammar.format == "ebnf":
-            from shim_adapters.grammars.convert import ebnf_to_lark
-
             text = ebnf_to_lark(grammar.text, grammar_name=grammar.name)
         else:
             raise UnsupportedGrammarError(f"LarkAcceptor takes lark or ebnf, not {grammar.format}",

@@ -39,13 +39,20 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Tuple, Union
 
 import torch
-
-from shim_adapters.errors import DeadEndError, GrammarError, ShimError, VocabMismatchError
+from shim_adapters.errors import (
+    DeadEndError,
+    GrammarError,
+    ManifestMismatchError,
+    ShimError,
+    VocabMismatchError,
+)
 from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from shim_adapters.lm.generation import MaskedLogitsProcessor
+from shim_adapters.lm.loading import _WEIGHT_SUFFIXES, _content_hash
 from shim_adapters.mask.bitmask import bitmask_to_bool
 from shim_adapters.mask.protocol import Masker, MaskerState
 from shim_adapters.mask.utf8 import incomplete_tail, utf8_prefix_ok
+from shim_adapters.mask.vocab import Vocabulary
 from shim_adapters.shim.artefact import check_manifest, load_controller, read_manifest
 from shim_adapters.shim.controller import Controller
 from shim_adapters.shim.correction import ShimAdjuster
@@ -149,8 +156,6 @@ def check_model(manifest: Mapping[str, Any], model, lm=None,
     weights files in the model's directory (``config._name_or_path``); a model loaded from
     elsewhere cannot be identified, so it is refused until ``lm=`` is passed.
     """
-    from shim_adapters.errors import ManifestMismatchError
-
     if lm is not None:
         if getattr(lm, "model", None) is not model:
             raise ValueError(f"lm= ({getattr(lm, 'identifier', lm)!r}) is not the model the "
@@ -160,7 +165,6 @@ def check_model(manifest: Mapping[str, Any], model, lm=None,
     revision = manifest.get("lm_revision")
     if revision is None:
         return  # the controller was fitted without recording its LM
-    from shim_adapters.lm.loading import _WEIGHT_SUFFIXES, _content_hash
 
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     directory = Path(source)
@@ -445,8 +449,6 @@ class ShimWrapper(MaskedLogitsProcessor):
     def _token_bytes(self) -> list:
         cached = getattr(self, "_bytes_cache", None)
         if cached is None:
-            from shim_adapters.conformance.vocab import Vocabulary
-
             cached = Vocabulary(self.masker.tokenizer, self.masker.vocab_size).token_bytes
             self._bytes_cache = cached
         return cached

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-
 from shim_adapters.errors import VocabMismatchError
 
 #: Specs that name the LM shipped in ``shim_adapters/assets/default_lm``.

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from shim_adapters.lm.sampling import eos_ids, prefill, sample
+from shim_adapters.lm.views import newline_token_ids
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,6 @@ def render_prompt(tokenizer, prompt: str, chat: bool = False,
 
 def prefill_prompt(lm, prompt: str, chat: bool = False):
     """Render and prefill ``prompt`` (see :func:`shim_adapters.lm.sampling.prefill`)."""
-    from shim_adapters.lm.sampling import prefill
-
     rendered = render_prompt(lm.tokenizer, prompt, chat)
     return prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
 
@@ -76,9 +76,6 @@ def detect_line_answers(prefilled, masker, *, n_probe: int = 16, max_new_tokens:
                         seed: int = 0) -> LineAnswerProbe:
     """Draw ``n_probe`` masked completions and measure, at every state where the grammar
     accepts, the LM's newline vs EOS mass (costs ``n_probe`` short masked samples)."""
-    from shim_adapters.lm.sampling import eos_ids, sample
-    from shim_adapters.lm.views import newline_token_ids
-
     newline = np.array(sorted(set(newline_token_ids(prefilled.lm.tokenizer))
                               - set(eos_ids(prefilled.lm, masker))), dtype=np.int64)
     eos = np.array(sorted(eos_ids(prefilled.lm, masker)), dtype=np.int64)

@@ -30,8 +30,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 import torch
-
 from shim_adapters.errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
+from shim_adapters.lm.views import shared_prefix_cache, uses_split_attention
 from shim_adapters.mask.bitmask import allocate_token_bitmask, bitmask_to_bool, rows_with_any
 from shim_adapters.mask.protocol import Masker, MaskerState
 
@@ -64,7 +64,6 @@ class PrefilledPrompt:
         the prompt's KV where the model's attention supports it)."""
         from transformers import DynamicCache
 
-        from shim_adapters.lm.views import shared_prefix_cache, uses_split_attention
 
         if uses_split_attention(self.lm.model):
             return shared_prefix_cache(self.past, batch)

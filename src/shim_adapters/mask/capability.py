@@ -25,7 +25,10 @@ from enum import Enum
 from typing import Any, Iterator, Mapping
 
 from shim_adapters.errors import ShimError, UnsupportedGrammarError
+from shim_adapters.grammars.convert import convert
 from shim_adapters.grammars.grammar import Grammar
+
+from shim_adapters.grammars.reference import reference_acceptor
 
 
 class Support(str, Enum):
@@ -167,8 +170,6 @@ class StrictModeError(UnsupportedGrammarError):
 
 def capability_report(grammar: Grammar, spec) -> CapabilityReport:
     """What ``spec`` (a BackendSpec) does with each construct of ``grammar``, before compiling."""
-    from shim_adapters.grammars.convert import convert
-
     entries: list[ConstructReport] = []
     notes: list[str] = []
     if grammar.format not in spec.grammar_formats:
@@ -246,7 +247,6 @@ def validate_output(grammar: Grammar, text: str) -> OutputCheck:
         problems = tuple(f"{'/' + '/'.join(map(str, e.absolute_path))}: {e.message} "
                          f"({e.validator})" for e in validator.iter_errors(value))
         return OutputCheck(not problems, problems)
-    from shim_adapters.grammars.reference import reference_acceptor
 
     ok = reference_acceptor(grammar).accepts(text)
     return OutputCheck(ok, () if ok else (f"not in the language of {grammar.name}",))
@@ -317,8 +317,6 @@ def probe_schema_support(spec, tokenizer, vocab_size: int | None = None,
     satisfying and a violating instance through the mask. ``exact``: the valid one passes and
     the violating one is refused; ``post-check``: the violating one passes (ignored);
     ``rejected``: the schema does not compile; ``inconclusive: ...`` otherwise."""
-    from shim_adapters.grammars.grammar import Grammar
-
     found: dict[str, str] = {}
     for construct, schema, good, bad in probes:
         grammar = Grammar(text=json.dumps(schema), format="json_schema", name=f"probe-{construct}")

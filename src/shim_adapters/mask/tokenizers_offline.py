@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from shim_adapters.errors import VocabMismatchError
+from shim_adapters.errors import ShimError, VocabMismatchError
 
 #: Bump when the conversion itself changes, so stale caches are rebuilt.
 CONVERSION_VERSION = "1"
@@ -431,7 +431,6 @@ def load_local_tokenizer(path: str | Path, eos: str | int | None = None):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from shim_adapters.errors import ShimError
 
     path = Path(path)
     if not path.exists():
@@ -467,7 +466,6 @@ def _sentencepiece_fast(model: Path):
     """A SentencePiece model as a fast tokenizer (byte fallback and ``▁`` kept)."""
     from transformers import LlamaTokenizerFast
 
-    from shim_adapters.errors import ShimError
 
     try:
         return LlamaTokenizerFast(vocab_file=str(model), legacy=True, add_bos_token=False,
@@ -479,8 +477,6 @@ def _sentencepiece_fast(model: Path):
 
 
 def _set_eos(tok, eos, directory: Path, path: Path) -> None:
-    from shim_adapters.errors import ShimError
-
     if eos is None and tok.eos_token_id is not None and path.is_dir() and \
             (path / "tokenizer_config.json").is_file():
         return

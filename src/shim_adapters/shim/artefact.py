@@ -32,6 +32,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from shim_adapters import __version__
 from shim_adapters.errors import ManifestMismatchError, ShimError
 from shim_adapters.mask.protocol import FEATURE_NAMES, Masker
 from shim_adapters.shim.controller import CONTROLLERS, Controller
@@ -86,8 +87,6 @@ def build_manifest(controller: Controller, masker: Masker, lm=None, *,
                    prompt: str | None = None, training: Mapping[str, Any] | None = None
                    ) -> dict[str, Any]:
     """The manifest of a fitted controller (without the weights' and its own checksums)."""
-    from shim_adapters import __version__
-
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

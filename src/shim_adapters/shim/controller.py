@@ -44,6 +44,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from shim_adapters.mask.protocol import StateFeatures
 from shim_adapters.shim.features import EncodedState, FeatureEncoder
+from shim_adapters.shim.targets import target_weights
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +252,6 @@ class Controller:
         """Per completion in ``completions``: log q_β(x) under this fitted controller (its
         own β) over the steps of ``data`` that have a choice (forced steps add 0), the same
         quantity as the cross-validated ``heldout_per_completion_``, for data it never saw."""
-        from shim_adapters.shim.targets import target_weights
-
         cw = target_weights(data) if completion_weight is None else completion_weight
         encoded = [self.encoder_.encode_state(s) for s in data.states]
         contrast = _ContrastSet.from_data(data, self.encoder_, encoded, self._eos_set(),

@@ -480,13 +480,6 @@ def _pooled_targets(pool, parts: list[_Part]):
     by the balance heuristic (:func:`~shim_adapters.shim.targets.mixture_target_weights`): every
     completion is scored under every part's proposal (cached per part, so a top-up only
     scores the new part's rows and the new proposal)."""
-    from shim_adapters.shim.targets import (
-        make_targets,
-        masked_row_logprob,
-        mixture_target_weights,
-        shim_row_logprob,
-    )
-
     pooled = make_targets("rollout", pool)
     if len(parts) < 2:
         return pooled

@@ -35,6 +35,7 @@ from safetensors.numpy import load_file, save_file
 
 from shim_adapters.errors import VocabMismatchError
 from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.sampling import eos_ids, prefill, sample
 from shim_adapters.mask.protocol import (
     FEATURE_NAMES,
     Masker,
@@ -42,6 +43,7 @@ from shim_adapters.mask.protocol import (
     canonical_value,
     state_key,
 )
+from shim_adapters.shim.correction import ShimAdjuster
 
 FORMAT_VERSION = 2
 TENSORS_FILE = "training_data.safetensors"
@@ -341,9 +343,6 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
     ``allowed_max_stored`` caps the stored allowed set per row at its most likely tokens (the
     sampled token is always kept).
     """
-    from shim_adapters.lm.sampling import eos_ids, prefill, sample
-    from shim_adapters.shim.correction import ShimAdjuster
-
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     if proposal not in PROPOSALS:

@@ -22,8 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shim_adapters.evaluation.scoring import score_sequences
 from shim_adapters.grammars.reference import reference_acceptor
+from shim_adapters.lm.sampling import prefill, sample
 from shim_adapters.mask.protocol import Masker
+from shim_adapters.shim.correction import ShimAdjuster
 
 SIR, IMH = "sir", "imh"
 
@@ -124,10 +127,6 @@ def exact_samples(lm, masker: Masker, controller, prompt: str, n: int, method: s
     proposal. ``method="sir"`` resamples ``n`` of ``n_proposals`` (default ``n``) proposals;
     ``method="imh"`` runs an independence Metropolis-Hastings chain over ``n_proposals``
     (default ``n``) proposals and returns its last ``n`` states."""
-    from shim_adapters.evaluation.scoring import score_sequences
-    from shim_adapters.lm.sampling import prefill, sample
-    from shim_adapters.shim.correction import ShimAdjuster
-
     if method not in (SIR, IMH):
         raise ValueError(f"method must be {SIR!r} or {IMH!r}, not {method!r}")
     m = n if n_proposals is None else int(n_proposals)
