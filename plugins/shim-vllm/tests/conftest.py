@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def lm():
-    from shim_adapters.lm import load_lm
+    from shim_adapters.lm.loading import load_lm
 
     return load_lm(None)
 
@@ -44,7 +44,7 @@ def vllm_config(lm):
     """
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
-    from shim_adapters.lm import default_lm_path
+    from shim_adapters.lm.loading import default_lm_path
 
     model_config = ModelConfig(model=str(default_lm_path()), tokenizer=str(default_lm_path()),
                                dtype="float32", seed=0)
@@ -54,9 +54,9 @@ def vllm_config(lm):
 
 
 def _fit(lm, grammar_name: str, directory):
-    from shim_adapters.controller import fit_controller
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.plugins import get_backend
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.shim.fitting import fit_controller
 
     masker = get_backend("xgrammar").compile(builtin_grammar(grammar_name), lm.tokenizer,
                                              lm.vocab_size)

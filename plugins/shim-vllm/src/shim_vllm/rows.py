@@ -1,12 +1,13 @@
-"""SHIM on an engine's batch: per-request masker states and one batched correction step.
+"""SHIM on a batch whose rows are requests (vLLM's V1 runner, SGLang): one state per request.
 
-Engines keep a persistent batch whose rows come, go and move; what they hand a processor each
-step is the logits of every row plus, per request, a live reference to its output token list.
-:class:`RequestRow` is one request's SHIM state (its own :class:`MaskerState`, advanced from
-that list), and :func:`apply_rows` masks and corrects the SHIM rows of a logits tensor in place,
-with the same arithmetic as :class:`shim_adapters.correction.ShimLogitsProcessor` (masked_fill
-to -inf, then + β·log γ̂ on the allowed tokens), one controller call per controller per step.
-Rows not in the mapping are never read or written.
+Such engines keep a persistent batch whose rows come, go and move; what they hand a processor
+each step is the logits of every row plus, per request, a live reference to its output token
+list. :class:`RequestRow` is one request's SHIM state (its own :class:`MaskerState`, advanced
+from that list). :func:`apply_rows` masks and corrects the SHIM rows of a logits tensor in place
+(:func:`shim_vllm.scoring.score_rows`) and raises on the first failing row;
+:func:`apply_rows_failing_closed` instead stops each failing request alone
+(:mod:`shim_vllm.faults`) and processes the others. Rows not in the mapping are never read or
+written.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
-from shim_adapters.errors import DeadEndError, ShimError, VocabMismatchError
-from shim_adapters.protocol import MaskerState
+from shim_adapters.errors import ShimError
+from shim_adapters.mask.protocol import MaskerState
 
 from .binding import BoundController
+from .faults import RequestFault, report, stop_row
+from .scoring import Target, row_mask, score_rows
+
+__all__ = ["GREEDY_TEMPERATURE", "EngineTokenError", "RequestRow", "apply_rows",
+           "apply_rows_failing_closed", "row_mask"]
 
 #: Engines treat temperatures below this as greedy and do not divide by them (vLLM's value).
 GREEDY_TEMPERATURE = 1e-5
@@ -32,14 +37,21 @@ class EngineTokenError(ShimError):
 
 @dataclass
 class RequestRow:
-    """One request's SHIM state inside the engine's batch."""
+    """One request's SHIM state inside the engine's batch.
 
-    state: MaskerState
-    bound: BoundController
+    ``state`` and ``bound`` are None only for a request that failed before it was bound
+    (``fault`` says why)."""
+
+    state: MaskerState | None
+    bound: BoundController | None
     #: The engine's own, growing list of the request's output tokens (a live reference).
     output_ids: Sequence[int]
     temperature: float = 1.0
     temperature_mode: str = "corrected"
+    #: The token that ends the request, used to stop it if it fails.
+    stop_token_id: int | None = None
+    fault: RequestFault | None = None
+    controller: str = ""
 
     def sync(self) -> None:
         """Consume the tokens the engine appended since the last step."""
@@ -64,83 +76,50 @@ class RequestRow:
             return float(self.temperature)
         return 1.0
 
-
-def row_mask(state: MaskerState, row: int) -> np.ndarray:
-    """The row's allowed tokens; finished rows allow only EOS; an empty live row fails closed."""
-    if state.is_finished:
-        mask = np.zeros(state.masker.vocab_size, dtype=bool)
-        mask[min(state.masker.eos_token_ids)] = True
-        return mask
-    mask = state.allowed_mask()
-    if not mask.any():
-        raise DeadEndError(state.step, state.describe(), row=row)
-    return mask
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Stop this request from now on, and say so once in the log."""
+        if self.fault is None:
+            self.fault = RequestFault.of(exc, self.controller)
+            report(self.fault, where)
 
 
 def apply_rows(logits: torch.Tensor, rows: Mapping[int, RequestRow]) -> torch.Tensor:
-    """Mask and correct ``logits[i]`` for every ``i`` in ``rows``; returns ``logits``."""
+    """Mask and correct ``logits[i]`` for every ``i`` in ``rows``; returns ``logits``.
+
+    Raises the first failing row's error (a forbidden token, a dead end, a width mismatch)."""
     if not rows:
         return logits
     index = sorted(rows)
     for i in index:
         rows[i].sync()
-    width = int(logits.shape[-1])
-    for i in index:
-        if rows[i].state.masker.vocab_size != width:
-            raise VocabMismatchError(
-                f"batch row {i}: the engine's logits have width {width} but the controller's "
-                f"masker was compiled for {rows[i].state.masker.vocab_size}")
-    masks = np.stack([row_mask(rows[i].state, i) for i in index])
-    index_t = torch.as_tensor(index, device=logits.device)
-    mask_t = torch.from_numpy(masks).to(logits.device)
-    sub = logits.index_select(0, index_t).masked_fill_(~mask_t, float("-inf"))
-
-    flat_ids, values = _log_gammas(rows, index, masks, width)
-    if flat_ids is not None:
-        sub.view(-1).index_add_(0, torch.from_numpy(flat_ids).to(logits.device),
-                                torch.from_numpy(values).to(device=logits.device,
-                                                            dtype=sub.dtype))
-    _refuse_emptied_rows(sub, rows, index)
-    logits.index_copy_(0, index_t, sub)
+    targets = [Target(i, rows[i].state, rows[i].bound, rows[i].gamma_scale) for i in index]
+    failures = score_rows(logits, targets)
+    if failures:
+        raise failures[min(failures)]
     return logits
 
 
-def _log_gammas(rows: Mapping[int, RequestRow], index: list[int], masks: np.ndarray,
-                width: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Flat (row-major in the selected rows) token positions and their β·log γ̂ values."""
-    groups: dict[int, list[int]] = {}
-    for pos, i in enumerate(index):
-        if not rows[i].state.is_finished:
-            groups.setdefault(id(rows[i].bound), []).append(pos)
-    if not groups:
-        return None, None
-    flat: list[np.ndarray] = []
-    vals: list[np.ndarray] = []
-    for positions in groups.values():
-        members = [rows[index[p]] for p in positions]
-        allowed = [np.flatnonzero(masks[p]) for p in positions]
-        log_gammas = members[0].bound.adjuster.log_gamma([m.state for m in members], allowed)
-        for pos, member, ids, lg in zip(positions, members, allowed, log_gammas):
-            lg = np.asarray(lg, dtype=np.float32)
-            if lg.shape != ids.shape or not np.isfinite(lg).all():
-                raise ValueError(f"batch row {index[pos]}: the controller returned "
-                                 f"{lg.shape} values (finite required) for {len(ids)} allowed "
-                                 f"tokens")
-            scale = member.gamma_scale
-            flat.append(ids + pos * width)
-            vals.append(lg if scale == 1.0 else lg * np.float32(scale))
-    return np.concatenate(flat), np.concatenate(vals)
-
-
-def _refuse_emptied_rows(sub: torch.Tensor, rows: Mapping[int, RequestRow],
-                         index: list[int]) -> None:
-    """The engine's own masks (its grammar bitmask, allowed_token_ids, bad words) ran first; a
-    row they leave with no token that SHIM's grammar allows is a dead end too."""
-    empty = torch.isneginf(sub).all(dim=-1)
-    if bool(empty.any()):
-        pos = int(torch.nonzero(empty)[0, 0])
-        state = rows[index[pos]].state
-        raise DeadEndError(state.step, state.describe() + " (every token the grammar allows "
-                           "was already -inf in the engine's logits: its structured-output "
-                           "bitmask, allowed_token_ids or bad_words disagree with the "
-                           "controller's grammar)", row=index[pos])
+def apply_rows_failing_closed(logits: torch.Tensor, rows: Mapping[int, RequestRow]
+                              ) -> torch.Tensor:
+    """As :func:`apply_rows`, but a failing request is stopped alone (see
+    :mod:`shim_vllm.faults`) and the others are processed; never raises for one request."""
+    if not rows:
+        return logits
+    index = sorted(rows)
+    healthy: list[int] = []
+    for i in index:
+        row = rows[i]
+        if row.fault is None:
+            try:
+                row.sync()
+            except Exception as exc:  # the request's own failure: it alone is stopped
+                row.fail(exc, f"batch row {i}")
+            else:
+                healthy.append(i)
+    targets = [Target(i, rows[i].state, rows[i].bound, rows[i].gamma_scale) for i in healthy]
+    for pos, exc in score_rows(logits, targets).items():
+        rows[targets[pos].row].fail(exc, f"batch row {targets[pos].row}")
+    for i in index:
+        if rows[i].fault is not None:
+            stop_row(logits, i, rows[i].stop_token_id)
+    return logits
