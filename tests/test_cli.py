@@ -87,29 +87,28 @@ def test_check_prints_the_capability_report_without_an_lm(files, no_lm):
 
 
 def _fake_fit(calls):
-    def fit_controller(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *,
-                       output_dir=None, max_new_tokens=128, seed=0, target="auto", rounds=1,
-                       chat=False, **kw):
-        calls.append({"prompt": prompt, "target": target, "rounds": rounds, "chat": chat,
-                      "n_samples": n_samples})
+    def fit_with_recipe(lm, masker, recipe, prompt=None, *, output_dir=None, **kw):
+        calls.append({"prompt": prompt, "target": recipe.target, "rounds": recipe.rounds,
+                      "chat": recipe.chat, "n_samples": recipe.n_samples,
+                      "max_samples": recipe.max_samples})
         return None, {"grammar_name": masker.grammar.name, "backend": masker.backend_name,
                       "training": {"heldout_kl_gain": 0.5, "heldout_kl_gain_se": 0.1,
                                    "falls_back_to_masking": False, "decision": "helps"},
-                      "controller": {"kind": kind, "beta": 1.0}}
-    return fit_controller
+                      "controller": {"kind": recipe.kind, "beta": 1.0}}
+    return fit_with_recipe
 
 
 def test_fit_passes_target_rounds_and_chat_through(files, monkeypatch):
     from shim_adapters.shim import fitting
 
     calls = []
-    monkeypatch.setattr(fitting, "fit_controller", _fake_fit(calls))
+    monkeypatch.setattr(fitting, "fit_with_recipe", _fake_fit(calls))
     result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
                  files / "art", "--target", "auto", "--rounds", "3", "--chat",
                  "--n-samples", "7")
     assert result.exit_code == 0, result.stderr
     assert calls == [{"prompt": "Say ab:\n", "target": "auto", "rounds": 3, "chat": True,
-                      "n_samples": 7}]
+                      "n_samples": 7, "max_samples": 1000}]
     assert "held-out KL gain over masking: 0.5 ± 0.1 nats" in result.stdout
     assert (files / "art" / "MODEL_CARD.md").is_file()
 
@@ -117,32 +116,22 @@ def test_fit_passes_target_rounds_and_chat_through(files, monkeypatch):
 def test_fit_passes_the_sample_cap_through(files, monkeypatch):
     from shim_adapters.shim import fitting
 
-    seen = []
-
-    def fit(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *, output_dir=None,
-            max_new_tokens=128, seed=0, max_samples=1000, **kw):
-        seen.append(max_samples)
-        return _fake_fit([])(lm, masker, prompt, kind, n_samples, output_dir=output_dir)
-
-    monkeypatch.setattr(fitting, "fit_controller", fit)
+    calls = []
+    monkeypatch.setattr(fitting, "fit_with_recipe", _fake_fit(calls))
     result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
                  files / "art", "--n-samples", "7", "--max-samples", "300")
     assert result.exit_code == 0, result.stderr
-    assert seen == [300]
+    assert [c["max_samples"] for c in calls] == [300]
 
 
-def test_fit_refuses_a_flag_this_build_does_not_take(files, monkeypatch):
+def test_fit_refuses_a_recipe_it_cannot_run_in_one_line(files, monkeypatch):
     from shim_adapters.shim import fitting
 
-    def old_fit(lm, masker, prompt=None, kind="LR_FULL", n_samples=1000, *, output_dir=None,
-                max_new_tokens=128, seed=0, target="final"):
-        raise AssertionError("must not be called")
-
-    monkeypatch.setattr(fitting, "fit_controller", old_fit)
+    monkeypatch.setattr(fitting, "fit_with_recipe", _fake_fit([]))
     result = run("fit", "--grammar", files / "g.lark", "--prompt", files / "p.txt", "--out",
-                 files / "art", "--chat")
+                 files / "art", "--rounds", "3", "--target", "final")
     assert result.exit_code == 2
-    assert "--chat is not supported by this version" in result.stderr
+    assert "the 'final' target cannot use them" in result.stderr
 
 
 def test_fit_then_sample_with_the_controller(files):

@@ -44,6 +44,23 @@ class UserError(click.ClickException):
 class ShimGroup(click.Group):
     """Turns exceptions into one-line messages (tracebacks only with ``--debug``)."""
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True,
+             **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            _show_usage_error(exc)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
@@ -60,6 +77,17 @@ class ShimGroup(click.Group):
             click.echo(f"shim {command}: internal error: {type(exc).__name__}: {_one_line(exc)}"
                        + ("" if debug else " (rerun with --debug for the traceback)"), err=True)
             ctx.exit(1)
+
+
+def _show_usage_error(exc: click.UsageError) -> None:
+    """The reason first, on the line a user reads, then where to look (click prints the usage
+    block first, which buries the reason under it)."""
+    ctx = exc.ctx
+    command = ctx.command_path if ctx is not None else "shim"
+    click.echo(f"{command}: error: {exc.format_message()}", err=True)
+    if ctx is not None:
+        click.echo(ctx.get_usage(), err=True)
+        click.echo(f"Try '{command} --help' for help.", err=True)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -263,16 +291,17 @@ def _check_lm_spec(lm_spec: str | None) -> None:
 
 
 def _check_controller(controller_dir: str | None, grammar, spec) -> None:
-    """The artefact is intact and was fitted for this grammar and backend (the tokenizer, LM
-    and width are checked again once they are loaded)."""
+    """The artefact is intact (manifest and weights checksums) and was fitted for this grammar
+    and backend, before anything compiles or loads (the tokenizer, LM and width are checked
+    again once they are loaded)."""
     if controller_dir is None:
         return
-    from shim_adapters.shim.artefact import read_manifest
+    from shim_adapters.shim.artefact import read_verified_manifest
 
     if not Path(controller_dir).is_dir():
         raise UserError(f"--controller {controller_dir}: no such directory (an artefact from "
                         f"`shim fit --out DIR`)")
-    manifest = read_manifest(controller_dir)
+    manifest = read_verified_manifest(controller_dir)
     for field, expected, option in (("grammar_sha256", grammar.sha256, "--grammar"),
                                     ("backend", spec.name, "--backend")):
         if manifest.get(field) != expected:
@@ -289,6 +318,7 @@ def _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
 
     grammar = _load_grammar(grammar_spec, grammar_format)
     spec = _pick_backend(backend, grammar)
+    _check_controller(controller_dir, grammar, spec)
     report = spec.capability(grammar)
     if strict:
         try:
@@ -300,7 +330,6 @@ def _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
         raise UserError(f"grammar {grammar.name!r} has no built-in prompt: pass --prompt FILE "
                         f"or --prompt-text TEXT")
     _check_lm_spec(lm_spec)
-    _check_controller(controller_dir, grammar, spec)
     for entry in report.post_checked:
         click.echo(f"note: {spec.name} does not enforce {entry.construct} at {entry.where}; "
                    f"outputs are checked against it afterwards (--strict refuses)", err=True)
@@ -336,6 +365,75 @@ def _new_keywords(fn, **keywords) -> dict:
     return out
 
 
+# ---- the fit's recipe: one option set for `shim fit` and `shim eval` ---------------------------
+
+#: Recipe options left unset take the library's defaults (``FitRecipe``), except these.
+_CLI_RECIPE_DEFAULTS = {"evidence_band": "CLI_EVIDENCE_BAND"}
+
+
+def _recipe_options(budget_flag: str):
+    """The options that make a fit's :class:`~shim_adapters.shim.fitting.FitRecipe`, declared
+    once: ``shim fit`` and ``shim eval`` fit with the same recipe and the same defaults
+    (:func:`_build_recipe`). ``budget_flag`` names the first draw's size (``--n-samples`` for
+    ``shim fit``; ``--n-train`` for ``shim eval``, whose ``--n-samples`` sizes the support)."""
+    def decorate(f):
+        for decorator in reversed((
+            click.option(budget_flag, "recipe_n_samples", default=None,
+                         type=click.IntRange(min=1),
+                         help="LM samples the controller is fitted on (first draw; default "
+                              "1000)."),
+            click.option("--target", type=click.Choice(["auto", "final", "rollout",
+                                                        "bootstrap"]),
+                         default=None, help="SHIM training labels (default: auto, see "
+                                            "shim_adapters.shim.fitting)."),
+            click.option("--rounds", default=None, type=click.IntRange(min=1),
+                         help="Iterated refits within the budget (default 1)."),
+            click.option("--max-samples", "--max-train", "max_samples", default=None,
+                         type=click.IntRange(min=1),
+                         help="Cap on LM samples (default 1000): a fit not trusted only "
+                              "because its held-out evidence is thin (or near the floor, see "
+                              "--evidence-band) draws more, from masking mixed with the fit, "
+                              "up to it."),
+            click.option("--evidence-band", default=None, type=click.FloatRange(min=1.0),
+                         help="Held-out target ESS below this many times the floor draws "
+                              "more evidence before deciding to trust the fit (default 2; 1: "
+                              "decide at the floor)."),
+            click.option("--stop-at-newline", type=click.Choice(["auto", "yes", "no"]),
+                         default="auto", show_default=True, is_flag=False, flag_value="yes",
+                         help="A newline also ends the output (one-line answers); auto: probe "
+                              "a few masked completions."),
+            click.option("--chat", is_flag=True,
+                         help="Apply the tokenizer's chat template to the prompt(s) (instruct "
+                              "LMs)."),
+            click.option("--batch-size", default=64, show_default=True,
+                         type=click.IntRange(min=1), help="Sequences per sampling batch."),
+        )):
+            f = decorator(f)
+        return f
+    return decorate
+
+
+def _build_recipe(*, kind: str, recipe_n_samples, target, rounds, max_samples,
+                  evidence_band, stop_at_newline: str, chat: bool, batch_size: int,
+                  max_new_tokens: int | None, seed: int, progress: bool = True):
+    """The :class:`~shim_adapters.shim.fitting.FitRecipe` of :func:`_recipe_options`' values;
+    every path that fits from the command line builds its recipe here."""
+    from shim_adapters.shim import fitting
+
+    given = {"n_samples": recipe_n_samples, "target": target, "rounds": rounds,
+             "max_samples": max_samples, "max_new_tokens": max_new_tokens,
+             "evidence_band": evidence_band}
+    values = {k: v for k, v in given.items() if v is not None}
+    for name, constant in _CLI_RECIPE_DEFAULTS.items():
+        values.setdefault(name, getattr(fitting, constant))
+    newline = {"auto": "auto", "yes": True, "no": False}[stop_at_newline]
+    try:
+        return fitting.FitRecipe(kind=kind, seed=seed, chat=chat, stop_at_newline=newline,
+                                 batch_size=batch_size, progress=progress, **values)
+    except ValueError as exc:
+        raise UserError(_one_line(exc)) from None
+
+
 def _threads(threads: int | None) -> None:
     if threads is not None:
         import torch
@@ -365,20 +463,15 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
 
 @main.command("fit")
 @_grammar_options
+@click.option("--prompts", "prompts_file", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="A prompt set instead of one prompt: one prompt per line, or JSON Lines "
+                   "with a \"prompt\" field. The budget is spread over the prompts and the "
+                   "trust decision is judged on held-out prompts.")
 @click.option("--kind", type=click.Choice(["LR_NT", "LR_FULL", "MLP"]), default="LR_FULL",
               show_default=True)
-@click.option("--n-samples", default=1000, show_default=True, type=click.IntRange(min=1))
+@_recipe_options("--n-samples")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--target", type=click.Choice(["auto", "final", "rollout", "bootstrap"]),
-              default=None, help="SHIM training labels (default: the library's, see "
-                                 "shim_adapters.shim.targets).")
-@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Iterated refits.")
-@click.option("--max-samples", default=1000, show_default=True, type=click.IntRange(min=1),
-              help="Cap on LM samples: a fit not trusted only because its held-out evidence "
-                   "is thin draws more (from masking mixed with the untrusted fit) up to it.")
-@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to the prompt "
-                                           "(instruct LMs).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=None, type=click.IntRange(min=1),
               help="torch threads (default: torch's).")
@@ -386,25 +479,49 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
               help="Directory for the artefact (safetensors + manifest.json + MODEL_CARD.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's training section "
                                                      "as JSON instead of the summary.")
+@click.option("--engine", "engines", multiple=True, metavar="URL",
+              help="Draw the rollouts from this vLLM server (repeat for several) instead of "
+                   "loading the LM here; --lm names the served model's directory (tokenizer, "
+                   "config; weights hashed, not loaded).")
+@click.option("--collection", "collection_dir", default=None, type=click.Path(file_okay=False),
+              help="With --engine: where finished rollouts are kept (default OUT/engine-"
+                   "rollouts); rerunning the same command resumes there.")
+@click.option("--top-logprobs", default=20, show_default=True, type=click.IntRange(min=1),
+              help="With --engine: allowed alternatives kept per step (at most the server's "
+                   "--max-logprobs).")
+@click.option("--masking-artefact", default=None,
+              help="With --engine: the masking artefact's path as the engines see it (default: "
+                   "written into the collection directory, for engines that share this "
+                   "filesystem).")
 def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
-                prompt_file_alias, prompt_text, kind, n_samples, max_new_tokens, target, rounds,
-                max_samples, chat, seed, threads, out_dir, as_json) -> None:
+                prompt_file_alias, prompt_text, prompts_file, kind, recipe_n_samples, target,
+                rounds, max_samples, evidence_band, stop_at_newline, chat, batch_size,
+                max_new_tokens, seed, threads, out_dir, as_json, engines, collection_dir,
+                top_logprobs, masking_artefact) -> None:
     """Sample the LM, fit a SHIM controller and save it as a checked artefact."""
     from shim_adapters.lm.loading import load_lm
-    from shim_adapters.shim.fitting import fit_controller
+    from shim_adapters.shim import fitting
     from shim_adapters.shim.model_card import model_card, summary_lines, write_model_card
 
+    if prompts_file is not None and (prompt_file or prompt_file_alias or prompt_text):
+        raise UserError("give --prompts FILE (a prompt set) or --prompt/--prompt-text (one "
+                        "prompt), not both")
     setup = _setup(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
-                   prompt_file_alias, prompt_text)
-    extra = _new_keywords(fit_controller, target=(target, None, "--target"),
-                          rounds=(rounds, 1, "--rounds"), chat=(chat, False, "--chat"),
-                          max_samples=(max_samples, 1000, "--max-samples"))
+                   prompt_file_alias, prompt_text, need_prompt=prompts_file is None)
+    prompt = setup.prompt if prompts_file is None else _read_prompt_set("--prompts",
+                                                                        prompts_file)
+    recipe = _build_recipe(kind=kind, recipe_n_samples=recipe_n_samples, target=target,
+                           rounds=rounds, max_samples=max_samples, evidence_band=evidence_band,
+                           stop_at_newline=stop_at_newline, chat=chat, batch_size=batch_size,
+                           max_new_tokens=max_new_tokens, seed=seed)
     _threads(threads)
-    lm = load_lm(lm_spec)
-    masker = _compile(setup, lm)
-    _, manifest = fit_controller(lm, masker, setup.prompt, kind=kind, n_samples=n_samples,
-                                 max_new_tokens=max_new_tokens, seed=seed, output_dir=out_dir,
-                                 **extra)
+    if engines:
+        manifest = _fit_from_engines(setup, recipe, prompt, lm_spec, engines, out_dir,
+                                     collection_dir, top_logprobs, masking_artefact, chat)
+    else:
+        lm = load_lm(lm_spec)
+        masker = _compile(setup, lm)
+        _, manifest = fitting.fit_with_recipe(lm, masker, recipe, prompt, output_dir=out_dir)
     card = write_model_card(out_dir, model_card(manifest, setup.capability))
     if as_json:
         click.echo(json.dumps(manifest.get("training", {}), indent=2, default=str))
@@ -412,6 +529,31 @@ def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_f
         for line in summary_lines(manifest):
             click.echo(line)
     click.echo(f"wrote {out_dir} (model card: {card})")
+
+
+def _fit_from_engines(setup, recipe, prompt, lm_spec, engines, out_dir, collection_dir,
+                      top_logprobs, masking_artefact, chat) -> dict:
+    """``shim fit --engine URL``: rollouts from served engines, the fit here."""
+    from shim_adapters.shim.engine_fit import fit_from_engines, local_tokenizer
+
+    if chat or not isinstance(prompt, str):
+        raise UserError("--engine fits one prompt as given (no --chat, no --prompts)")
+    local = local_tokenizer(lm_spec)
+    masker = _compile(setup, local)
+    collection = collection_dir or str(Path(out_dir) / "engine-rollouts")
+    _, manifest = fit_from_engines(engines, masker, local.tokenizer, local.path, prompt,
+                                   recipe, collection, output_dir=out_dir,
+                                   top_logprobs=top_logprobs, masking_artefact=masking_artefact)
+    return manifest
+
+
+def _read_prompt_set(option: str, path: str):
+    from shim_adapters.shim.prompt_set import read_prompt_set
+
+    try:
+        return read_prompt_set(path)
+    except ValueError as exc:
+        raise UserError(f"{option} {_one_line(exc)}") from None
 
 
 @main.command("sample")
@@ -515,8 +657,18 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
               type=click.Choice(["lark", "ebnf", "json_schema", "regex"]), default=None)
 @click.option("--prompt", "prompt_file", default=None, help="Prompt file of the one case.")
 @click.option("--prompt-text", default=None)
+@click.option("--eval-prompts", "eval_prompts_file", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="With --grammar: one case per prompt of this set (one per line, or JSON "
+                   "Lines with a \"prompt\" field) instead of --prompt.")
+@click.option("--fit-prompts", "fit_prompts_file", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="Fit each SHIM kind once on this prompt set and score every case with it "
+                   "(held-out prompts: pass the others with --eval-prompts).")
+@click.option("--controller", "controller_dir", default=None,
+              help="Score this artefact (`shim fit --out DIR`) in place of the SHIM methods: "
+                   "no refit.")
 @click.option("--exact", is_flag=True, help="One case: enumerate the (finite) language exactly.")
-@click.option("--stop-at-newline", is_flag=True, help="One case: a newline also ends the output.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Benchmark data for the bv4/spider suites (e.g. ../shared/benchmarks/BV4).")
 @click.option("--lm", "lm_spec", default=None, help="default, a model dir, a .gguf, or smollm2.")
@@ -525,8 +677,7 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
               help="Comma-separated methods.")
 @click.option("--n-samples", default=1000, show_default=True, type=click.IntRange(min=1),
               help="Unconstrained LM samples whose valid ones form the KL support.")
-@click.option("--n-train", default=None, type=click.IntRange(min=1),
-              help="Controller training samples.")
+@_recipe_options("--n-train")
 @click.option("--asap-samples", default=100, show_default=True, type=click.IntRange(min=0))
 @click.option("--asap-batch-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="ASAp samples drawn between trie updates.")
@@ -535,32 +686,29 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
 @click.option("--n-bootstrap", default=200, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-new-tokens", default=None, type=click.IntRange(min=1),
               help="Override each case's max_new_tokens.")
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--cut-draws", is_flag=True,
               help="Stop an unconstrained draw at the first token the masker refuses.")
 @click.option("--threads", default=None, type=click.IntRange(min=1))
 @click.option("--cases", default=None, help="Comma-separated case names to run.")
 @click.option("--limit", default=None, type=click.IntRange(min=1),
               help="Run only the first N cases.")
-@click.option("--target", type=click.Choice(["auto", "final", "rollout", "bootstrap"]),
-              default="auto", show_default=True, help="SHIM training labels.")
-@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Iterated SHIM refits on the controller's own rollouts (same budget).")
 @click.option("--mixture-samples", default=0, show_default=True, type=click.IntRange(min=0),
               help="Samples per masked method for the importance-sampled KL (measurable at "
                    "any P(L)); 0: rejection-based KL only.")
 @click.option("--resume", is_flag=True,
               help="Keep the cases already in OUT/report.json and run only the others.")
-@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each "
-                                           "case's prompt (instruct LMs).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True,
+              help="Seed of the support draws; SHIM fits on seed + 1 (as `shim fit --seed` "
+                   "seed + 1 does).")
 @click.option("--out", "out_dir", default="runs/eval", show_default=True,
               type=click.Path(file_okay=False))
-def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, exact,
-                 stop_at_newline, data_dir, lm_spec, backend, methods, n_samples, n_train,
-                 asap_samples, asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
-                 max_new_tokens, batch_size, cut_draws, threads, cases, limit, target, rounds,
-                 mixture_samples, resume, chat, seed, out_dir) -> None:
+def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text,
+                 eval_prompts_file, fit_prompts_file, controller_dir, exact, data_dir, lm_spec,
+                 backend, methods, n_samples, recipe_n_samples, target, rounds, max_samples,
+                 evidence_band, stop_at_newline, chat, batch_size, asap_samples,
+                 asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
+                 max_new_tokens, cut_draws, threads, cases, limit, mixture_samples, resume,
+                 seed, out_dir) -> None:
     """KL to the grammar-conditioned target and time per sample, per method and case."""
     from shim_adapters.evaluation import METHODS
     from shim_adapters.evaluation.report import markdown
@@ -580,30 +728,53 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text, 
     if (suite is None) == (grammar_spec is None):
         raise UserError("give --suite S (many cases) or --grammar FILE [--prompt FILE] (one "
                         "case)")
+    if controller_dir is not None and fit_prompts_file is not None:
+        raise UserError("give --controller DIR (score it) or --fit-prompts FILE (fit on it), "
+                        "not both")
+    if eval_prompts_file is not None and (prompt_file or prompt_text):
+        raise UserError("give --eval-prompts FILE or --prompt/--prompt-text, not both")
+    # the fit's recipe, built as `shim fit` builds it (max_new_tokens and seed are set per case)
+    recipe = _build_recipe(kind="LR_FULL", recipe_n_samples=recipe_n_samples, target=target,
+                           rounds=rounds, max_samples=max_samples, evidence_band=evidence_band,
+                           stop_at_newline=stop_at_newline, chat=chat, batch_size=batch_size,
+                           max_new_tokens=None, seed=seed)
     if grammar_spec is not None:
         setup = _setup(grammar_spec, grammar_format, backend, False, lm_spec, prompt_file, None,
-                       prompt_text)
+                       prompt_text, controller_dir=controller_dir,
+                       need_prompt=eval_prompts_file is None)
         kwargs = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
-        case = EvalCase(name=Path(setup.grammar.name).stem, grammar=setup.grammar,
-                        prompt=setup.prompt, exact=exact, stop_at_newline=stop_at_newline,
-                        **kwargs)
-        suite_obj = Suite(case.name, (case,), f"cli:{grammar_spec}")
+        name = Path(setup.grammar.name).stem
+        prompts = ([setup.prompt] if eval_prompts_file is None else
+                   list(_read_prompt_set("--eval-prompts", eval_prompts_file).prompts))
+        case_list = tuple(
+            EvalCase(name=name if eval_prompts_file is None else f"{name}-p{i:02d}",
+                     grammar=setup.grammar, prompt=p, exact=exact,
+                     stop_at_newline=recipe.stop_at_newline, **kwargs)
+            for i, p in enumerate(prompts))
+        suite_obj = Suite(name, case_list, f"cli:{grammar_spec}")
     else:
-        if prompt_file or prompt_text or grammar_format:
-            raise UserError("--prompt/--prompt-text/--format describe one --grammar case; a "
-                            "suite names its own")
+        if prompt_file or prompt_text or grammar_format or eval_prompts_file or \
+                fit_prompts_file:
+            raise UserError("--prompt/--prompt-text/--format/--eval-prompts/--fit-prompts "
+                            "describe a --grammar run; a suite names its own prompts")
         _pick_backend(backend, load_suite(suite, data_dir).cases[0].grammar)
         _check_lm_spec(lm_spec)
+        if controller_dir is not None and not Path(controller_dir).is_dir():
+            raise UserError(f"--controller {controller_dir}: no such directory")
         suite_obj = suite
+    fit_prompts = (None if fit_prompts_file is None else
+                   _read_prompt_set("--fit-prompts", fit_prompts_file))
     _threads(threads)
     report = run_eval(suite_obj, lm_spec=lm_spec, backend=backend, methods=method_list,
-                      n_samples=n_samples, seed=seed, out_dir=out_dir, n_train=n_train,
+                      n_samples=n_samples, seed=seed, out_dir=out_dir,
                       asap_samples=asap_samples, asap_batch_size=asap_batch_size,
                       asap_checkpoints=checkpoints, timing_samples=timing_samples,
                       n_bootstrap=n_bootstrap, max_new_tokens=max_new_tokens,
                       batch_size=batch_size, cut_draws=cut_draws, data_dir=data_dir,
-                      limit=limit, target=target, rounds=rounds,
-                      mixture_samples=mixture_samples, resume=resume, chat=chat,
+                      limit=limit, mixture_samples=mixture_samples, resume=resume,
+                      chat=chat, recipe=recipe, n_train=recipe.n_samples,
+                      controller_dir=controller_dir,
+                      fit_prompts=fit_prompts,
                       cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
     click.echo(markdown(report))
     click.echo(f"wrote {out_dir}")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from shim_adapters.evaluation.mixture import MIN_ESS, format_kl
 
 SHIM_METHODS = ("lr_nt", "lr_full", "mlp")
@@ -74,7 +75,13 @@ def markdown(report, figures: dict[str, Path] | None = None) -> str:
               f"- N = {o['n_samples']} unconstrained draws per case for the support"
               + (" (each cut at the first token the masker refuses)" if o.get("cut_draws")
                  else "")
-              + (f"; SHIM trained on {o['n_train'] or o['n_samples']} separate draws; "
+              + (f"; SHIM: the given controller `{o['controller_dir']}` (no refit); "
+                 if o.get("controller_dir") else
+                 f"; SHIM fitted once on {o['fit_prompts']['size']} prompts "
+                 f"(`{o['fit_prompts']['source']}`, sha256 {o['fit_prompts']['sha256'][:12]}), "
+                 f"{o['n_train'] or o['n_samples']} draws spread over them; "
+                 if o.get("fit_prompts") else
+                 f"; SHIM trained on {o['n_train'] or o['n_samples']} separate draws; "
                  if any(m in methods for m in SHIM_METHODS) else "; ")
               + (f"ASAp after {o['asap_samples']} samples (trie updated every "
                  f"{o['asap_batch_size']}); " if "asap" in methods else "")

@@ -14,14 +14,16 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+
 from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation.asap import run_asap
+from shim_adapters.evaluation.exact_language import LanguageTooLargeError, enumerate_language
 from shim_adapters.evaluation.metrics import (
     bootstrap_kl,
     exact_kl,
@@ -32,26 +34,37 @@ from shim_adapters.evaluation.metrics import (
 )
 from shim_adapters.evaluation.mixture import MixtureDraws, mixture_kl
 from shim_adapters.evaluation.rejection import draw_lm_samples
+from shim_adapters.evaluation.report import write_report
 from shim_adapters.evaluation.scoring import MASKING, score_sequences
 from shim_adapters.evaluation.suites import EvalCase, Suite, load_suite
 from shim_adapters.evaluation.timing import PhaseTimer, peak_rss_mib
 from shim_adapters.grammars.reference import reference_acceptor
 from shim_adapters.lm.loading import load_lm
-from shim_adapters.lm.prompting import prefill_prompt
 from shim_adapters.lm.sampling import eos_ids, sample
-from shim_adapters.lm.views import gqa_without_copies, stop_folded
+from shim_adapters.lm.views import gqa_without_copies
 from shim_adapters.mask.protocol import Masker
+from shim_adapters.shim.artefact import (
+    load_controller,
+    read_manifest,
+    warn_if_prompt_outside,
+)
 from shim_adapters.shim.correction import ShimAdjuster
-from shim_adapters.shim.fitting import choose_target, fit_controller
+from shim_adapters.shim.fitting import (
+    FitRecipe,
+    InProcessRollouts,
+    PreparedPrompt,
+    draw_first,
+    fit_with_recipe,
+    prepare_prompt,
+)
+from shim_adapters.shim.prompt_set import PromptSet, fitted_on
 from shim_adapters.shim.targets import TARGET_KINDS
-from shim_adapters.shim.training_data import sample_training_data
-
-from shim_adapters.evaluation.exact_language import LanguageTooLargeError, enumerate_language
-from shim_adapters.evaluation.report import write_report
 
 #: Method names, in report order. ``rejection`` is the exact target (KL 0 by construction).
 METHODS = ("masking", "lr_nt", "lr_full", "mlp", "asap", "rejection")
 SHIM_KINDS = {"lr_nt": "LR_NT", "lr_full": "LR_FULL", "mlp": "MLP"}
+#: The method name a controller of each kind is reported under.
+KIND_METHODS = {kind: name for name, kind in SHIM_KINDS.items()}
 
 
 @dataclass
@@ -93,9 +106,35 @@ class EvalOptions:
     resume: bool = False
     #: Wrap each case's prompt in the LM's chat template (instruct LMs).
     chat: bool = False
+    #: The SHIM fit's recipe (``shim eval`` builds it as ``shim fit`` does); None: one from
+    #: ``target``, ``rounds``, ``max_train``, ``chat`` and ``batch_size``. Per case its kind,
+    #: seed (``seed + 1``: a draw separate from the support's) and ``max_new_tokens`` are set.
+    recipe: FitRecipe | None = None
+    #: Score this artefact (``shim fit --out DIR``) instead of fitting: no refit.
+    controller_dir: str | None = None
+    #: Fit once on these prompts and score every case with that controller.
+    fit_prompts: PromptSet | None = None
+
+    def fit_recipe(self, kind: str, max_new_tokens: int,
+                   stop_at_newline: bool | str) -> FitRecipe:
+        """The recipe a case's fit runs (one place for every SHIM kind and case)."""
+        base = self.recipe if self.recipe is not None else FitRecipe(
+            n_samples=self.n_train or self.n_samples, target=self.target, rounds=self.rounds,
+            max_samples=self.max_train, chat=self.chat, batch_size=self.batch_size)
+        if base.stop_at_newline != "auto":  # asked for on the command line: every case
+            stop_at_newline = base.stop_at_newline
+        return replace(base, kind=kind, seed=self.seed + 1, max_new_tokens=max_new_tokens,
+                       stop_at_newline=stop_at_newline, progress=False)
 
     def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        out = {}
+        for k, v in self.__dict__.items():
+            if isinstance(v, FitRecipe):
+                v = {**asdict(v), "controller_params": dict(v.controller_params)}
+            elif isinstance(v, PromptSet):
+                v = {key: val for key, val in v.record().items() if key != "prompt_sha256"}
+            out[k] = list(v) if isinstance(v, tuple) else v
+        return out
 
 
 @dataclass
@@ -166,6 +205,15 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     opts = EvalOptions(n_samples=n_samples, seed=seed, **options)
+    if opts.controller_dir is not None and opts.fit_prompts is not None:
+        raise ValueError("give controller_dir (score an artefact) or fit_prompts (fit on a "
+                         "prompt set), not both")
+    if opts.controller_dir is not None:  # its kind stands in for the SHIM methods asked for
+        kind = read_manifest(opts.controller_dir)["controller"]["kind"]
+        shim = [m for m in methods if m in SHIM_KINDS]
+        methods = [m for m in methods if m not in SHIM_KINDS]
+        if shim:
+            methods.insert(min(1, len(methods)), KIND_METHODS[kind])
 
     if opts.target not in TARGET_KINDS + ("auto",):
         raise ValueError(f"unknown SHIM target {opts.target!r}; choose from "
@@ -189,12 +237,17 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
         done = {c["name"]: c for c in previous.cases}
         report.cases.extend(previous.cases)
         _log(progress, f"resuming {out_dir}: {len(done)} case(s) already done")
+    given: GivenControllers | None = None
     for i, case in enumerate(suite_obj.cases):
         if case.name in done:
             continue
         _log(progress, f"case {i + 1}/{len(suite_obj.cases)}: {case.name}")
+        if given is None and (opts.controller_dir or opts.fit_prompts):
+            given = given_controllers(case, lm, spec, list(methods), opts, progress,
+                                      out_dir=Path(out_dir) if out_dir else None)
         report.cases.append(evaluate_case(case, lm, spec, list(methods), opts, progress,
-                                          out_dir=Path(out_dir) if out_dir else None))
+                                          out_dir=Path(out_dir) if out_dir else None,
+                                          given=given))
         report.seconds = time.perf_counter() - start
         report.peak_rss_mib = peak_rss_mib()
         if out_dir is not None:  # keep a usable report even if a later case fails
@@ -205,21 +258,91 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
     return report
 
 
+@dataclass
+class GivenControllers:
+    """Controllers every case scores instead of fitting its own (``shim eval --controller`` or
+    ``--fit-prompts``), with the LM view they were fitted on."""
+
+    controllers: dict[str, Any]  #: method name -> fitted controller
+    info: dict[str, dict]  #: method name -> what the report says about it
+    manifests: dict[str, dict]
+    stop_at_newline: bool
+    chat: bool
+
+
+def given_controllers(case: EvalCase, lm, spec, methods: list[str], opts: EvalOptions,
+                      progress: bool = False, out_dir: Path | None = None) -> GivenControllers:
+    """Load ``opts.controller_dir``, or fit every SHIM kind of ``methods`` once on
+    ``opts.fit_prompts`` (with the case's grammar, which every case of the run shares)."""
+    masker = spec.compile(case.grammar, lm.tokenizer, lm.vocab_size)
+    max_new = opts.max_new_tokens or case.max_new_tokens
+    controllers, info, manifests = {}, {}, {}
+    if opts.controller_dir is not None:
+        controller, manifest = load_controller(opts.controller_dir, masker, lm)
+        name = KIND_METHODS[controller.kind]
+        controllers[name], manifests[name] = controller, manifest
+        info[name] = {"given_controller": str(opts.controller_dir)}
+    else:
+        for name in [m for m in methods if m in SHIM_KINDS]:
+            recipe = opts.fit_recipe(SHIM_KINDS[name], max_new, case.stop_at_newline)
+            directory = (out_dir / "controllers" / "fit-prompts" / name) if out_dir else None
+            t0 = time.perf_counter()
+            controller, manifest = fit_with_recipe(lm, masker, recipe, opts.fit_prompts,
+                                                   output_dir=directory)
+            controllers[name], manifests[name] = controller, manifest
+            info[name] = {"fitted_on_prompts": len(opts.fit_prompts),
+                          "fit_seconds": time.perf_counter() - t0}
+            _log(progress, f"  {name}: fitted on {len(opts.fit_prompts)} prompts in "
+                           f"{info[name]['fit_seconds']:.1f}s ({controller.decision_})")
+    prompting = [m.get("training", {}).get("prompting", {}) for m in manifests.values()]
+    stops = {bool(p.get("stop_at_newline", False)) for p in prompting}
+    if len(stops) > 1:
+        raise ValueError("the given controllers were fitted on different LM views (answers "
+                         "ending at a newline or not): evaluate them separately")
+    for name, controller in controllers.items():
+        info[name].update(_controller_info(controller, manifests[name]))
+    return GivenControllers(controllers, info, manifests, stops.pop() if stops else False,
+                            any(bool(p.get("chat", False)) for p in prompting))
+
+
+def _controller_info(controller, manifest: dict) -> dict[str, Any]:
+    training = manifest.get("training", {})
+    return {"beta": float(controller.beta_), "reg": float(controller.reg_),
+            "controller_bytes": int(manifest.get("weights_bytes", 0)),
+            "falls_back_to_masking": bool(training.get("falls_back_to_masking", False)),
+            "heldout_kl_gain": training.get("heldout_kl_gain"),
+            "heldout_kl_gain_se": training.get("heldout_kl_gain_se"),
+            "heldout_effective_samples": training.get("heldout_effective_samples"),
+            "fallback_reason": training.get("fallback_reason"),
+            "target": training.get("target"),
+            "lm_samples_total": training.get("lm_samples_total"),
+            "prompt_set": {k: v for k, v in (training.get("prompt_set") or {}).items()
+                           if k != "prompt_sha256"} or None,
+            "heldout_holds_out": training.get("heldout_holds_out", "completions"),
+            "decision": training.get("decision")}
+
+
 def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOptions,
-                  progress: bool = False, out_dir: Path | None = None) -> dict[str, Any]:
-    """All methods on one case; returns the JSON-ready result."""
+                  progress: bool = False, out_dir: Path | None = None,
+                  given: GivenControllers | None = None) -> dict[str, Any]:
+    """All methods on one case; returns the JSON-ready result. ``given``: controllers to score
+    instead of fitting (their LM view, e.g. answers ending at a newline, is the case's)."""
     max_new = opts.max_new_tokens or case.max_new_tokens
     t_case = time.perf_counter()
     compile_timer = PhaseTimer()
     with compile_timer.phase("compile"):
         masker = spec.compile(case.grammar, lm.tokenizer, lm.vocab_size)
-    if case.stop_at_newline:
-        lm = stop_folded(lm, masker.eos_token_ids)
-    pre = prefill_prompt(lm, case.prompt, opts.chat)
+    # the prompt is prepared by the fit's own recipe, so every method sees the LM view (answers
+    # ending at a newline or not, chat template) the controllers are fitted on
+    recipe = opts.fit_recipe("LR_FULL", max_new, case.stop_at_newline)
+    if given is not None:
+        recipe = replace(recipe, stop_at_newline=given.stop_at_newline, chat=given.chat)
+    prepared = prepare_prompt(lm, masker, case.prompt, recipe)
+    base_lm, lm, pre = lm, prepared.lm, prepared.prefilled
     result: dict[str, Any] = {
         "name": case.name, "grammar": case.grammar.name, "grammar_sha256": case.grammar.sha256,
         "prompt_tokens": pre.length, "max_new_tokens": max_new,
-        "stop_at_newline": case.stop_at_newline,
+        "stop_at_newline": prepared.stop_at_newline, "prompting": prepared.record,
         "compile_seconds": compile_timer.durations["compile"][0], "methods": {},
     }
 
@@ -235,9 +358,16 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
     adjusters: dict[str, Any] = {MASKING: None}  # always scored: ASAp@0 must equal it
     shim_info: dict[str, dict] = {}
     wanted_shim = [m for m in methods if m in SHIM_KINDS]
-    if wanted_shim:
-        adjusters.update(_fit_shim(case, lm, pre, masker, wanted_shim, opts, max_new,
-                                   progress, shim_info, out_dir))
+    if given is not None:
+        for name, controller in given.controllers.items():
+            adjusters[name] = ShimAdjuster(controller)
+            inside = fitted_on(given.manifests[name], case.prompt)
+            shim_info[name] = dict(given.info[name], prompt_in_fit_set=inside)
+            warn_if_prompt_outside(given.manifests[name], case.prompt,
+                                   opts.controller_dir or f"the {name} fit on --fit-prompts")
+    elif wanted_shim:
+        adjusters.update(_fit_shim(case, base_lm, prepared, masker, wanted_shim, opts,
+                                   max_new, progress, shim_info, out_dir))
 
     # 3. ASAp with snapshots of its trie
     asap_run = None
@@ -362,45 +492,46 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
     return result
 
 
-def _fit_shim(case, lm, pre, masker: Masker, kinds: list[str], opts: EvalOptions, max_new: int,
-              progress: bool, info: dict, out_dir: Path | None) -> dict[str, Any]:
-    """Fit every SHIM kind on one shared draw (round 1; later rounds are each kind's own)."""
-    n_train = opts.n_train or opts.n_samples
-    target, target_info = opts.target, {"target_reason": "asked for"}
-    if target == "auto":
-        target, target_info = choose_target()
-    first = n_train // opts.rounds + n_train % opts.rounds
+def _fit_shim(case, lm, prepared: PreparedPrompt, masker: Masker, kinds: list[str],
+              opts: EvalOptions, max_new: int, progress: bool, info: dict,
+              out_dir: Path | None) -> dict[str, Any]:
+    """Fit every SHIM kind by ``shim fit``'s recipe (:meth:`EvalOptions.fit_recipe`) on one
+    shared first draw (the draw does not depend on the kind; later rounds are each kind's
+    own): each controller is the one ``shim fit --seed <seed + 1>`` gives. ``lm``: the LM
+    as loaded (the manifest names it; ``prepared`` holds the view the rollouts use)."""
+    base = opts.fit_recipe("LR_FULL", max_new, prepared.stop_at_newline)
+    rollouts = InProcessRollouts(prepared.lm, masker, prepared.prefilled,
+                                 max_new_tokens=max_new, batch_size=base.batch_size,
+                                 progress=False)
     t0 = time.perf_counter()
-    data = sample_training_data(lm, masker, pre.prompt, first, max_new_tokens=max_new,
-                                seed=opts.seed + 1, progress=False, prefilled=pre,
-                                batch_size=opts.batch_size,
-                                proposal="lm" if target == "final" else "masked")
+    first = draw_first(rollouts, base)
     sample_seconds = time.perf_counter() - t0
-    _log(progress, f"  training data ({target} target: {target_info['target_reason']}): "
-                   f"{first} completions in {sample_seconds:.1f}s, valid fraction "
-                   f"{float(np.mean(data.valid)):.3f}")
+    _log(progress, f"  training data ({first.target} target: "
+                   f"{first.target_record['target_reason']}): {first.data.n_completions} "
+                   f"completions in {sample_seconds:.1f}s, valid fraction "
+                   f"{float(np.mean(first.data.valid)):.3f}")
     out = {}
     for name in kinds:
         t0 = time.perf_counter()
         directory = (out_dir / "controllers" / case.name / name) if out_dir else \
             Path(tempfile.mkdtemp(prefix="shim-eval-"))
+        recipe = replace(base, kind=SHIM_KINDS[name])
         try:
-            controller, manifest = fit_controller(
-                lm, masker, pre.prompt, SHIM_KINDS[name], n_train, data=data, prefilled=pre,
-                target=target, rounds=opts.rounds, max_samples=opts.max_train,
-                max_new_tokens=max_new, seed=opts.seed + 1, progress=False,
-                batch_size=opts.batch_size, stop_at_newline=case.stop_at_newline, chat=opts.chat, output_dir=directory)
+            controller, manifest = fit_with_recipe(lm, masker, recipe, case.prompt,
+                                                   prepared=prepared, first=first,
+                                                   output_dir=directory)
         except ValueError as exc:  # e.g. no training rows for the final target
-            info[name] = {"error": str(exc), "target": target, "falls_back_to_masking": True}
+            info[name] = {"error": str(exc), "target": first.target,
+                          "falls_back_to_masking": True}
             out[name] = None
             _log(progress, f"  {name}: not fitted ({exc}); scored as masking")
             continue
         fit_seconds = time.perf_counter() - t0
         training = manifest["training"]
         info[name] = {"fit_seconds": fit_seconds,
-                      "training_samples": training.get("lm_samples_total", n_train),
-                      "training_sample_seconds": sample_seconds, "target": target,
-                      "target_reason": target_info.get("target_reason"),
+                      "training_samples": training.get("lm_samples_total", base.n_samples),
+                      "training_sample_seconds": sample_seconds, "target": first.target,
+                      "target_reason": first.target_record.get("target_reason"),
                       "p_valid_estimate": training.get("p_valid_estimate"),
                       "controller_bytes": int(manifest.get("weights_bytes", 0)),
                       "beta": float(getattr(controller, "beta_", float("nan"))),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
+
 from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 from shim_adapters.grammars.transforms import prune_undefined_rules
 
@@ -43,8 +44,9 @@ class EvalCase:
     #: The language is small and finite: also compute the exact KL over all of it.
     exact: bool = False
     #: The output also ends at a newline (one-line answers to few-shot prompts); see
-    #: :mod:`.lm_views`.
-    stop_at_newline: bool = False
+    #: :mod:`shim_adapters.lm.views`. ``"auto"``: probed as ``shim fit`` probes
+    #: (:func:`shim_adapters.shim.fitting.prepare_prompt`).
+    stop_at_newline: bool | str = False
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,10 +34,12 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from shim_adapters import __version__
-from shim_adapters.errors import ManifestMismatchError, ShimError
+from shim_adapters.errors import GrammarError, ManifestMismatchError, ShimError
+from shim_adapters.grammars import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from shim_adapters.mask.protocol import FEATURE_NAMES, Masker
 from shim_adapters.shim.controller import CONTROLLERS, Controller
 from shim_adapters.shim.features import FeatureEncoder
+from shim_adapters.shim.prompt_set import fitted_on
 
 FORMAT = "shim-adapters controller"
 FORMAT_VERSION = 1
@@ -94,6 +97,7 @@ def build_manifest(controller: Controller, masker: Masker, lm=None, *,
         **expected_fields(masker, lm),
         "grammar_name": masker.grammar.name,
         "grammar_format": masker.grammar.format,
+        "grammar_text": masker.grammar.text,
         "prompt": prompt,
         "features": {"feature_status": _feature_status(masker),
                      "encoder": controller.encoder_.vocab_manifest()},
@@ -173,26 +177,16 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def check_manifest(manifest: Mapping[str, Any], masker: Masker, lm=None,
-                   path: str = "<artefact>") -> None:
-    """Raise ManifestMismatchError on the first field that differs from the run."""
-    legacy = getattr(masker, "legacy_fingerprint", {})
-    for field, expected in expected_fields(masker, lm).items():
-        found = manifest.get(field, legacy.get(field))
-        if found != expected:
-            raise ManifestMismatchError(field, expected, found, path)
-    status = manifest["features"]["feature_status"]
-    if status != _feature_status(masker):
-        raise ManifestMismatchError("features.feature_status", _feature_status(masker), status,
-                                    path)
-
-
-def load_controller(directory: str | Path, masker: Masker, lm=None
-                    ) -> tuple[Controller, dict[str, Any]]:
-    """Load and verify an artefact for this masker (and LM, when given)."""
-    directory = Path(directory)
+def read_verified_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest, after checking that it and the weights file are intact: everything about
+    an artefact that needs neither the grammar compiled nor the LM loaded, so a damaged one is
+    refused before either."""
     manifest = read_manifest(directory)
-    check_manifest(manifest, masker, lm, str(directory / MANIFEST_FILE))
+    _checked_weights(Path(directory), manifest)
+    return manifest
+
+
+def _checked_weights(directory: Path, manifest: Mapping[str, Any]) -> Path:
     if manifest.get("weights_file") not in (WEIGHTS_FILE, ALTERNATE_WEIGHTS_FILE):
         raise ArtefactCorruptedError(directory / MANIFEST_FILE,
                                      f"weights_file {manifest.get('weights_file')!r} is not "
@@ -208,6 +202,74 @@ def load_controller(directory: str | Path, masker: Masker, lm=None
     if _sha256_file(weights_path) != manifest["weights_sha256"]:
         raise ArtefactCorruptedError(weights_path, "weights file sha256 does not match the "
                                                    "manifest (modified or damaged)")
+    return weights_path
+
+
+def fitted_grammar(manifest: Mapping[str, Any]) -> Grammar:
+    """The grammar the controller was fitted on, from its manifest: the built-in it names when
+    the hashes agree (with its prompt), else the text the manifest carries, checked against
+    ``grammar_sha256``. Every wrapper compiles its processor from this."""
+    name, wanted = manifest.get("grammar_name"), manifest.get("grammar_sha256")
+    if name in BUILTIN_GRAMMARS and builtin_grammar(name).sha256 == wanted:
+        return builtin_grammar(name)
+    text, fmt = manifest.get("grammar_text"), manifest.get("grammar_format")
+    if isinstance(text, str) and isinstance(fmt, str):
+        grammar = Grammar(text=text, format=fmt, name=str(name or "<fitted grammar>"))
+        if grammar.sha256 == wanted:
+            return grammar
+        raise GrammarError("the manifest's grammar_text does not hash to its grammar_sha256 "
+                           "(edited manifest)", grammar_name=str(name))
+    raise GrammarError(f"the manifest names grammar {name!r} but carries no grammar text (an "
+                       f"artefact written before manifests carried it): pass the Grammar it was "
+                       f"fitted on", grammar_name=str(name))
+
+
+def check_manifest(manifest: Mapping[str, Any], masker: Masker, lm=None,
+                   path: str = "<artefact>") -> None:
+    """Raise ManifestMismatchError on the first field that differs from the run."""
+    legacy = getattr(masker, "legacy_fingerprint", {})
+    for field, expected in expected_fields(masker, lm).items():
+        found = manifest.get(field, legacy.get(field))
+        if found != expected:
+            raise ManifestMismatchError(field, expected, found, path)
+    status = manifest["features"]["feature_status"]
+    if status != _feature_status(masker):
+        raise ManifestMismatchError("features.feature_status", _feature_status(masker), status,
+                                    path)
+
+
+class PromptOutsideFitWarning(UserWarning):
+    """A controller is used with a prompt it was not fitted on."""
+
+
+def warn_if_prompt_outside(manifest: Mapping[str, Any], prompt: str | None, where: str) -> None:
+    """Warn (never refuse) when ``prompt`` is not one the controller was fitted on.
+
+    A controller fitted for a grammar usually carries over to other prompts of the same task:
+    on Spider (SQL, SmolLM2) one fitted on instance 0000 cut the KL on three prompts it never
+    saw about as much as their own fits did (``docs/prompt_transfer.md``), but nothing
+    guarantees it for a prompt of another kind."""
+    if prompt is None or fitted_on(manifest, prompt) is not False:
+        return
+    prompt_set = manifest.get("training", {}).get("prompt_set")
+    fitted = (f"its {prompt_set['size']} fitted prompts" if prompt_set else
+              "the prompt it was fitted on")
+    warnings.warn(f"{where}: the prompt is not among {fitted}; the correction is used outside "
+                  f"its fit (it usually transfers to prompts of the same task: see "
+                  f"docs/prompt_transfer.md; fit on a prompt set with `shim fit --prompts`)",
+                  PromptOutsideFitWarning, stacklevel=3)
+
+
+def load_controller(directory: str | Path, masker: Masker, lm=None, *,
+                    prompt: str | None = None) -> tuple[Controller, dict[str, Any]]:
+    """Load and verify an artefact for this masker (and LM, when given). ``prompt``: the
+    prompt it will be used with; one it was not fitted on gives a
+    :class:`PromptOutsideFitWarning` (a warning, not an error)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_manifest(manifest, masker, lm, str(directory / MANIFEST_FILE))
+    warn_if_prompt_outside(manifest, prompt, str(directory))
+    weights_path = _checked_weights(directory, manifest)
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:

@@ -142,14 +142,18 @@ class Controller:
 
     # ---- fitting --------------------------------------------------------------------------
     def fit(self, data, y: np.ndarray | None = None,
-            completion_weight: np.ndarray | None = None) -> "Controller":
+            completion_weight: np.ndarray | None = None,
+            completion_group: np.ndarray | None = None) -> "Controller":
         """Fit on a :class:`~shim_adapters.shim.training_data.TrainingData` (soft ``y`` optional).
 
         ``y`` overrides ``data.row_label`` (one value in [0, 1] per row).
         ``completion_weight`` (one value >= 0 per completion) is each completion's weight as a
         sample of the target p(x | G) in the held-out criterion; the default, ``data.valid``, is
         right for unconstrained samples. Masked samples need importance weights
-        (:func:`shim_adapters.shim.targets.target_weights`). Runs on one core
+        (:func:`shim_adapters.shim.targets.target_weights`). ``completion_group`` (one label per
+        completion, e.g. the prompt it answers): cross-validation holds out whole groups, so the
+        held-out criterion and the fallback judge unseen groups (with >= 2 groups among the
+        completions with rows; else completions are held out). Runs on one core
         (BLAS and torch pinned to one thread: more threads only contend on a busy machine).
         """
         import torch
@@ -160,15 +164,15 @@ class Controller:
         try:
             with threadpool_limits(limits=1), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", ConvergenceWarning)
-                self._fit(data, y, completion_weight)
+                self._fit(data, y, completion_weight, completion_group)
         finally:
             torch.set_num_threads(threads)
         self.n_convergence_warnings_ = sum(issubclass(w.category, ConvergenceWarning)
                                            for w in caught)
         return self
 
-    def _fit(self, data, y: np.ndarray | None, completion_weight: np.ndarray | None = None
-             ) -> None:
+    def _fit(self, data, y: np.ndarray | None, completion_weight: np.ndarray | None = None,
+             completion_group: np.ndarray | None = None) -> None:
         from sklearn.model_selection import GroupKFold
 
         t0 = time.perf_counter()
@@ -191,6 +195,16 @@ class Controller:
         X = self.encoder_.transform_encoded(encoded, data.row_state, data.row_token)
         key = data.row_state.astype(np.int64) * (int(data.row_token.max()) + 1) + data.row_token
         groups = data.row_completion
+        #: What cross-validation holds out: ``"completions"`` or ``"groups"`` (whole prompts).
+        self.cv_groups_ = "completions"
+        if completion_group is not None:
+            cg = np.asarray(completion_group)
+            if cg.shape != (data.n_completions,):
+                raise ValueError(f"completion_group must hold one label per completion "
+                                 f"({data.n_completions}), got shape {cg.shape}")
+            if len(np.unique(cg[groups])) >= 2:
+                groups = cg[groups]
+                self.cv_groups_ = "groups"
         n_groups = len(np.unique(groups))
         n_splits = min(self.n_splits, n_groups)
         contrast = _ContrastSet.from_data(data, self.encoder_, encoded, self._eos_set(),
@@ -206,7 +220,7 @@ class Controller:
         splitter = GroupKFold(n_splits=n_splits, shuffle=True, random_state=self.random_state)
         for train, test in splitter.split(X, y, groups):
             rows = _aggregate(X[train], key[train], y[train])
-            held_comp = np.unique(groups[test])
+            held_comp = np.unique(data.row_completion[test])
             for r, reg in enumerate(self.reg_grid):
                 w = self._fit_model(rows, reg, X.shape[1])
                 oof[r, test] = self._logits(w, X[test])

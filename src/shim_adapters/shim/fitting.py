@@ -40,7 +40,7 @@ Costs are counted as CARS does: LM positions evaluated (``forward_tokens``) per 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -51,6 +51,7 @@ from shim_adapters.lm.views import stop_folded
 from shim_adapters.mask.protocol import Masker
 from shim_adapters.shim.artefact import build_manifest, save_controller
 from shim_adapters.shim.controller import make_controller
+from shim_adapters.shim.prompt_set import PromptSet
 from shim_adapters.shim.targets import (
     completion_log_ratio,
     effective_sample_size,
@@ -74,6 +75,8 @@ FIT_TARGETS = ("auto", "final", "rollout", "bootstrap")
 ROUND_PROPOSALS = ("shim", "defensive")
 #: The cap on LM samples per problem: top-ups stop here.
 DEFAULT_MAX_SAMPLES = 1000
+#: ``FitRecipe.evidence_band`` of the ``shim fit`` / ``shim eval`` commands.
+CLI_EVIDENCE_BAND = 2.0
 
 
 def _p_valid_estimate(log_ratio_totals: np.ndarray, valid: np.ndarray) -> float:
@@ -126,6 +129,13 @@ class FitRecipe:
     bootstrap_rounds: int = 1
     batch_size: int = 64
     progress: bool = True
+    #: A held-out target ESS below ``evidence_band`` x the controller's floor
+    #: (``min_target_samples``) is too close to the floor to decide on: the fit draws more
+    #: evidence first (top-ups, within ``max_samples``) instead of deciding from it. 1.0 decides
+    #: at the floor (the library default: small test and demo fits keep their budget); the
+    #: ``shim`` commands default to :data:`CLI_EVIDENCE_BAND`, where the decision is measured
+    #: to flip less with the seed (``reports/trust-band``).
+    evidence_band: float = 1.0
     controller_params: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -143,6 +153,9 @@ class FitRecipe:
         if self.n_samples < self.rounds * 2:
             raise ValueError(f"n_samples={self.n_samples} is too small for {self.rounds} "
                              f"round(s)")
+        if not self.evidence_band >= 1.0:
+            raise ValueError(f"evidence_band must be >= 1 (1: decide at the floor), got "
+                             f"{self.evidence_band}")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be >= 1 (or None: no top-ups), got "
                              f"{self.max_samples}")
@@ -187,6 +200,45 @@ class InProcessRollouts:
                                     batch_size=self.batch_size, defensive=defensive)
 
 
+#: Seed stride between the prompts of a set (rounds step by 1000: no two draws share a seed).
+PROMPT_SEED_STRIDE = 100_003
+
+
+@dataclass
+class PromptSetRollouts:
+    """Completions of several prompts of one grammar: each draw of ``n`` is spread evenly over
+    the prompts (the first ``n mod k`` prompts draw one more), each prompt on its own seed.
+    Rows of different prompts are different states of the same grammar, so they pool; each
+    completion keeps its own proposal's importance ratio under its own prompt. The draw's
+    ``manifest["completion_prompt"]`` says which prompt each completion answers (the
+    held-out criterion holds out whole prompts)."""
+
+    sources: list
+
+    def draw(self, n: int, proposal: str, seed: int, controller=None,
+             defensive: float = 0.0) -> TrainingData:
+        k = len(self.sources)
+        counts = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        parts, owners = [], []
+        for i, (source, m) in enumerate(zip(self.sources, counts)):
+            if m:
+                parts.append(source.draw(m, proposal, seed + PROMPT_SEED_STRIDE * i,
+                                         controller, defensive))
+                owners.append(np.full(m, i, dtype=np.int64))
+        data = concat_training_data(parts)
+        data.manifest = dict(data.manifest, completion_prompt=np.concatenate(owners).tolist(),
+                             prompt_counts=counts)
+        return data
+
+
+def _completion_prompts(parts) -> np.ndarray | None:
+    """Per pooled completion: the prompt it answers (None: one prompt)."""
+    owners = [p.data.manifest.get("completion_prompt") for p in parts]
+    if any(o is None for o in owners):
+        return None
+    return np.concatenate([np.asarray(o, dtype=np.int64) for o in owners])
+
+
 def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                    n_samples: int = 1000, *, output_dir=None, data=None,
                    max_new_tokens: int = 128, seed: int = 0, progress: bool = True,
@@ -216,30 +268,90 @@ def fit_controller(lm, masker, prompt: str | None = None, kind: str = "LR_FULL",
                            prefilled=prefilled)
 
 
-def fit_with_recipe(lm, masker, recipe: FitRecipe, prompt: str | None = None, *,
-                    output_dir=None, data=None, prefilled=None) -> tuple[Any, dict[str, Any]]:
-    """:func:`fit_controller` with the recipe as one value: prompt -> rollouts -> fit."""
+def fit_with_recipe(lm, masker, recipe: FitRecipe, prompt: str | PromptSet | None = None, *,
+                    output_dir=None, data=None, prefilled=None,
+                    prepared: PreparedPrompt | None = None, first: FirstDraw | None = None
+                    ) -> tuple[Any, dict[str, Any]]:
+    """:func:`fit_controller` with the recipe as one value: prompt -> rollouts -> fit.
+
+    ``prompt`` may be a :class:`~shim_adapters.shim.prompt_set.PromptSet`: the budget is spread
+    over its prompts (:class:`PromptSetRollouts`), the rows pooled, and the held-out criterion
+    holds out whole prompts. ``prepared`` (from :func:`prepare_prompt`) and ``first`` (from
+    :func:`draw_first`) let a caller share the prompt's preparation and the first draw between
+    controllers of one recipe (``shim eval`` fits several kinds): the result is the one a fit
+    without them gives, record included."""
+    if isinstance(prompt, PromptSet) and len(prompt) > 1:
+        if data is not None or prefilled is not None or prepared is not None:
+            raise ValueError("a fit over a prompt set draws its own data: data, prefilled and "
+                             "prepared are for one prompt")
+        return _fit_prompt_set(lm, masker, recipe, prompt, output_dir=output_dir, first=first)
+    if isinstance(prompt, PromptSet):
+        prompt = prompt.prompts[0]
     prompt = _resolve_prompt(masker, prompt)
-    prompted = _prepare_prompt(lm, masker, prompt, recipe, given_data=data, prefilled=prefilled)
-    rollouts = InProcessRollouts(prompted.lm, masker, prompted.prefilled,
+    if prepared is None:
+        prepared = _prepare_given(lm, masker, prompt, recipe, data, prefilled)
+    rollouts = InProcessRollouts(prepared.lm, masker, prepared.prefilled,
                                  max_new_tokens=recipe.max_new_tokens,
                                  batch_size=recipe.batch_size, progress=recipe.progress)
-    training: dict[str, Any] = {"prompting": prompted.record}
-    controller = run_recipe(rollouts, recipe, training, data=data)
+    training: dict[str, Any] = {"prompting": dict(prepared.record)}
+    controller = run_recipe(rollouts, recipe, training, data=data, first=first)
     return _write(controller, masker, lm, prompt, training, output_dir)
 
 
+def _fit_prompt_set(lm, masker, recipe: FitRecipe, prompts: PromptSet, *, output_dir,
+                    first: FirstDraw | None) -> tuple[Any, dict[str, Any]]:
+    """Where answers end is probed on the first prompt and holds for the whole set (one LM
+    view for every prompt, as one deployment of the grammar has)."""
+    head = prepare_prompt(lm, masker, prompts.prompts[0], recipe)
+    fixed = replace(recipe, stop_at_newline=bool(head.record["stop_at_newline"]))
+    prepared = [head] + [prepare_prompt(lm, masker, p, fixed) for p in prompts.prompts[1:]]
+    rollouts = PromptSetRollouts([
+        InProcessRollouts(p.lm, masker, p.prefilled, max_new_tokens=recipe.max_new_tokens,
+                          batch_size=recipe.batch_size, progress=recipe.progress)
+        for p in prepared])
+    record = dict(head.record, probed_on="the set's first prompt")
+    training: dict[str, Any] = {"prompting": record, "prompt_set": prompts.record()}
+    controller = run_recipe(rollouts, recipe, training, first=first)
+    return _write(controller, masker, lm, prompts.prompts[0], training, output_dir)
+
+
+@dataclass
+class FirstDraw:
+    """The first draw of a recipe and the target it was drawn for."""
+
+    target: str
+    target_record: dict[str, Any]  #: ``target_reason`` (and the like) for the manifest
+    data: TrainingData
+
+
+def draw_first(rollouts: Rollouts, recipe: FitRecipe) -> FirstDraw:
+    """Round 1's completions: unconstrained for the final-validity target, masked otherwise.
+    The draw does not depend on the controller's kind, so kinds may share it."""
+    if recipe.target == "auto":
+        chosen, record = choose_target()
+    else:
+        chosen, record = recipe.target, {"target_reason": "asked for"}
+    data = rollouts.draw(recipe.round_sizes()[0], "lm" if chosen == "final" else "masked",
+                         recipe.seed)
+    return FirstDraw(chosen, record, data)
+
+
 def run_recipe(rollouts: Rollouts, recipe: FitRecipe, training: dict[str, Any], *,
-               data: TrainingData | None = None):
+               data: TrainingData | None = None, first: FirstDraw | None = None):
     """The fit itself, from any source of rollouts: choose the target, fit on the first draw,
     then the planned rounds and the thin-evidence top-ups. Fills ``training`` (the manifest's
-    training record) and returns the controller."""
-    chosen = _choose_target_for(recipe, data, training)
+    training record) and returns the controller. ``data``: a caller's own round-1 data (the
+    target follows how it was drawn); ``first``: a :func:`draw_first` of this recipe."""
     sizes = recipe.round_sizes()
-    if data is None:
-        data = rollouts.draw(sizes[0], "lm" if chosen == "final" else "masked", recipe.seed)
-    elif recipe.rounds > 1 and data.n_completions != sizes[0]:
-        sizes[0] = data.n_completions
+    if data is not None:
+        chosen = _target_of_given(recipe, data, training)
+        if recipe.rounds > 1 and data.n_completions != sizes[0]:
+            sizes[0] = data.n_completions
+    else:
+        first = first if first is not None else draw_first(rollouts, recipe)
+        chosen, data = first.target, first.data
+        training.update(first.target_record)
+        training["target"] = chosen
     training["p_valid_estimate"] = _p_valid_estimate(completion_log_ratio(data), data.valid)
     fit = _first_fit(recipe, chosen, data)
     _refit_rounds(fit, recipe, rollouts, sizes)
@@ -257,27 +369,26 @@ def _resolve_prompt(masker, prompt: str | None) -> str:
 
 
 @dataclass
-class _Prompted:
+class PreparedPrompt:
     """The prompt as the rollouts see it."""
 
     lm: Any  #: the LM view the rollouts use (stop-folded when answers end at a newline)
     prefilled: PrefilledPrompt
     record: dict[str, Any]  #: the manifest's ``training.prompting``
 
+    @property
+    def stop_at_newline(self) -> bool:
+        return bool(self.record["stop_at_newline"])
 
-def _prepare_prompt(lm, masker, prompt: str, recipe: FitRecipe, *, given_data,
-                    prefilled) -> _Prompted:
-    """Render and prefill the prompt once; probe where answers end (one-line answers to
-    few-shot prompts end at a newline, folded into EOS for every method alike)."""
+
+def prepare_prompt(lm, masker, prompt: str, recipe: FitRecipe) -> PreparedPrompt:
+    """Render and prefill the prompt once; probe where answers end (``stop_at_newline="auto"``:
+    one-line answers to few-shot prompts end at a newline, folded into EOS for every method
+    alike). An evaluation prepares its case's prompt with the fit's recipe, so every method
+    sees the LM view the controller was fitted on."""
     record: dict[str, Any] = {"chat": bool(recipe.chat)}
-    if prefilled is not None:  # the caller rendered (chat) and prefilled the prompt already
-        record["stop_at_newline"] = bool(recipe.stop_at_newline is True)
-        return _Prompted(lm, prefilled, record)
     rendered = render_prompt(lm.tokenizer, prompt, recipe.chat)
     pre = prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
-    if given_data is not None:  # the caller's data already fixed the LM view
-        record["stop_at_newline"] = bool(recipe.stop_at_newline is True)
-        return _Prompted(lm, pre, record)
     if recipe.stop_at_newline == "auto":
         probe = detect_line_answers(pre, masker, max_new_tokens=recipe.max_new_tokens,
                                     seed=recipe.seed)
@@ -291,21 +402,29 @@ def _prepare_prompt(lm, masker, prompt: str, recipe: FitRecipe, *, given_data,
     if fold:
         lm = stop_folded(lm, masker.eos_token_ids)
         pre = prefill(lm, pre.prompt, add_special_tokens=rendered.add_special_tokens)
-    return _Prompted(lm, pre, record)
+    return PreparedPrompt(lm, pre, record)
 
 
-def _choose_target_for(recipe: FitRecipe, data, training: dict[str, Any]) -> str:
+def _prepare_given(lm, masker, prompt: str, recipe: FitRecipe, data, prefilled
+                   ) -> PreparedPrompt:
+    """A caller's prefill or data already fixed the LM view: no probe."""
+    record: dict[str, Any] = {"chat": bool(recipe.chat),
+                              "stop_at_newline": bool(recipe.stop_at_newline is True)}
+    if prefilled is not None:  # the caller rendered (chat) and prefilled the prompt already
+        return PreparedPrompt(lm, prefilled, record)
     if data is not None:
-        chosen = recipe.target if recipe.target != "auto" else (
-            "final" if data.manifest.get("sampling", {}).get("proposal", "lm") == "lm"
-            else "rollout")
-        training["target_reason"] = "given data" if recipe.target == "auto" else "asked for"
-    elif recipe.target == "auto":
-        chosen, info = choose_target()
-        training.update(info)
-    else:
-        chosen = recipe.target
-        training["target_reason"] = "asked for"
+        rendered = render_prompt(lm.tokenizer, prompt, recipe.chat)
+        return PreparedPrompt(lm, prefill(lm, rendered.text,
+                                          add_special_tokens=rendered.add_special_tokens),
+                              record)
+    return prepare_prompt(lm, masker, prompt, recipe)
+
+
+def _target_of_given(recipe: FitRecipe, data, training: dict[str, Any]) -> str:
+    chosen = recipe.target if recipe.target != "auto" else (
+        "final" if data.manifest.get("sampling", {}).get("proposal", "lm") == "lm"
+        else "rollout")
+    training["target_reason"] = "given data" if recipe.target == "auto" else "asked for"
     training["target"] = chosen
     return chosen
 
@@ -334,18 +453,34 @@ def _first_fit(recipe: FitRecipe, chosen: str, data) -> _Fit:
             f"no training rows: all {data.n_completions} unconstrained completions were refused "
             f"by the masker at their first token (valid fraction {np.mean(data.valid):.3g}); "
             f"the final-validity target needs valid draws: use target='rollout' (or 'auto')")
+    parts = [_Part(data, None, 0.0)]
     controller = recipe.new_controller().fit(targets.data, y=targets.y,
-                                             completion_weight=targets.completion_weight)
+                                             completion_weight=targets.completion_weight,
+                                             **_group_kw(parts, targets.data))
     first = _round_entry(1, data, targets, controller, kept=True)
     first.update(kind="first draw", lm_samples=int(data.n_completions))
-    return _Fit(chosen, controller, targets, [_Part(data, None, 0.0)], [first],
-                int(data.n_completions), data)
+    return _Fit(chosen, controller, targets, parts, [first], int(data.n_completions), data)
 
 
-def _is_thin(fit: _Fit) -> bool:
-    """Not trusted only for want of held-out evidence (rollout target)."""
-    return (fit.chosen == "rollout" and
-            getattr(fit.controller, "fallback_reason_", None) == "low_target_samples")
+def _group_kw(parts, data) -> dict[str, Any]:
+    """Fit keywords: with several prompts, cross-validation holds out whole prompts."""
+    owners = _completion_prompts(parts)
+    if owners is None or len(owners) != data.n_completions:
+        return {}
+    return {"completion_group": owners}
+
+
+def _is_thin(fit: _Fit, recipe: FitRecipe) -> bool:
+    """Too little held-out evidence to decide (rollout target): not trusted only for want of
+    it, or a held-out ESS inside the band above the floor, where the decision flips with the
+    seed."""
+    if fit.chosen != "rollout":
+        return False
+    c = fit.controller
+    if getattr(c, "fallback_reason_", None) == "low_target_samples":
+        return True
+    ess = getattr(c, "heldout_effective_samples_", float("inf"))
+    return bool(ess < recipe.evidence_band * c.min_target_samples)
 
 
 def _next_proposal(fit: _Fit, recipe: FitRecipe, thin: bool):
@@ -366,7 +501,7 @@ def _refit_rounds(fit: _Fit, recipe: FitRecipe, rollouts: Rollouts, sizes: list[
     while True:
         r += 1
         regular = r <= recipe.rounds
-        thin = _is_thin(fit)
+        thin = _is_thin(fit, recipe)
         if not regular and not (thin and fit.spent < fit.cap):
             if thin:
                 log.warning("held-out evidence still thin (ESS %.3g) after %d LM samples: the "
@@ -382,13 +517,15 @@ def _refit_rounds(fit: _Fit, recipe: FitRecipe, rollouts: Rollouts, sizes: list[
         fit.pool = concat_training_data([p.data for p in fit.parts])
         fit.pooled = _pooled_targets(fit.pool, fit.parts)
         candidate = recipe.new_controller().fit(
-            fit.pooled.data, y=fit.pooled.y, completion_weight=fit.pooled.completion_weight)
+            fit.pooled.data, y=fit.pooled.y, completion_weight=fit.pooled.completion_weight,
+            **_group_kw(fit.parts, fit.pooled.data))
         if regular and not thin:
             keep, entry = _judge_round(r, fit, fresh, candidate)
         else:
             # the current fit fell back for want of evidence, so nothing trusted is replaced:
             # the refit on the larger pool decides by the usual criterion (and may fall back)
-            keep, entry = True, _topup_entry(r, fit, fresh, candidate, proposer, mix, regular)
+            keep, entry = True, _topup_entry(r, fit, fresh, candidate, proposer, mix, regular,
+                                             recipe)
         entry["lm_samples"] = int(n_draw)
         entry.setdefault("kind", "round")
         fit.history.append(entry)
@@ -408,14 +545,17 @@ def _judge_round(r: int, fit: _Fit, fresh, candidate) -> tuple[bool, dict]:
 
 
 def _topup_entry(r: int, fit: _Fit, fresh, candidate, proposer, mix: float,
-                 regular: bool) -> dict:
+                 regular: bool, recipe: FitRecipe) -> dict:
     before = fit.controller
     entry = _round_entry(r, fresh, fit.pooled, candidate, kept=True)
+    ess, floor = before.heldout_effective_samples_, before.min_target_samples
     entry.update({
         "kind": "round" if regular else "top-up",
-        "reason": (f"thin evidence: held-out target ESS "
-                   f"{before.heldout_effective_samples_:.3g} below the floor "
-                   f"{before.min_target_samples:g}"),
+        "reason": (f"thin evidence: held-out target ESS {ess:.3g} below the floor {floor:g}"
+                   if ess < floor else
+                   f"near the floor: held-out target ESS {ess:.3g} below "
+                   f"{recipe.evidence_band:g} x the floor {floor:g} (decision "
+                   f"'{before.fallback_reason_ or 'trusted'}' not yet stable)"),
         "proposal_beta": float(proposer.beta_), "proposal_defensive": float(mix),
         "heldout_ess_before": float(before.heldout_effective_samples_),
         "heldout_ess_after": float(candidate.heldout_effective_samples_),
@@ -447,6 +587,9 @@ def _record_training(training: dict[str, Any], fit: _Fit, recipe: FitRecipe) -> 
     training["target_effective_samples"] = fit.targets.effective_target_samples
     training["target_clipped_fraction"] = fit.targets.clipped_fraction
     training["rounds"] = fit.history
+    if "prompt_set" in training:  # what the trust decision was judged on
+        training["heldout_holds_out"] = ("prompts" if getattr(fit.controller, "cv_groups_", "")
+                                         == "groups" else "completions")
     valid_total = int(np.sum(fit.pool.valid))
     training["forward_tokens_per_valid_sample"] = (
         float(fit.pool.manifest.get("forward_tokens", 0)) / valid_total if valid_total
