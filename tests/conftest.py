@@ -8,13 +8,17 @@ the variable when ``../shared/benchmarks`` is beside the checkout)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from shim_adapters.errors import BackendNotFoundError
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -50,6 +54,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("benchmark_data") is not None:
             item.add_marker(skip)
+
+
+#: How the backend registry names the backend it could not find.
+_MISSING_BACKEND = re.compile(r"no backend named '([^']+)' is installed")
+
+
+def _installed_backend_plugins() -> set[str]:
+    return {ep.name for ep in importlib.metadata.entry_points(group="shim_adapters")}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that asks for a backend whose plugin is not installed is skipped, naming it.
+
+    SynCode pins transformers 4.53.2, so a transformers-5 environment runs the suite without
+    shim-syncode; its tests then say why they did not run instead of erroring. A plugin that is
+    installed but fails to load still errors."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or call.excinfo is None:
+        return
+    if not call.excinfo.errisinstance(BackendNotFoundError):
+        return
+    found = _MISSING_BACKEND.search(str(call.excinfo.value))
+    if found is None or found.group(1) in _installed_backend_plugins():
+        return
+    name = found.group(1)
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0,
+                       f"Skipped: backend {name!r} is not installed (pip install "
+                       f"plugins/shim-{name})")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -13,8 +13,10 @@ from typing import Mapping
 
 import numpy as np
 import torch
+
 from shim_adapters.grammars.reference import reference_acceptor
 from shim_adapters.lm.generation import LogitAdjuster
+from shim_adapters.lm.kv_cache import forward_with_cache
 from shim_adapters.lm.sampling import PrefilledPrompt, eos_ids
 from shim_adapters.mask.protocol import Masker, MaskerState
 
@@ -116,7 +118,6 @@ def _next_logprobs(prefilled: PrefilledPrompt, prefixes: list[list[int]],
     for start in range(0, len(prefixes), batch):
         chunk = torch.as_tensor(prefixes[start:start + batch], dtype=torch.long)
         with torch.no_grad():
-            res = prefilled.lm.model(input_ids=chunk, past_key_values=prefilled.cache(len(chunk)),
-                                     use_cache=True)
-        out.append(torch.log_softmax(res.logits[:, -1, :].float(), dim=-1))
+            logits, _ = forward_with_cache(prefilled.lm.model, chunk, prefilled.cache(len(chunk)))
+        out.append(torch.log_softmax(logits[:, -1, :].float(), dim=-1))
     return torch.cat(out)

@@ -14,9 +14,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
+
 from shim_adapters.errors import ForbiddenTokenError, VocabMismatchError
 from shim_adapters.evaluation.timing import NullTimer, PhaseTimer
 from shim_adapters.lm.generation import LogitAdjuster
+from shim_adapters.lm.kv_cache import forward_with_cache
 from shim_adapters.lm.sampling import PrefilledPrompt
 from shim_adapters.mask.protocol import Masker
 
@@ -58,8 +60,8 @@ def step_logprobs(prefilled: PrefilledPrompt, sequences: Sequence[Sequence[int]]
         body = list(seq[:length - 1])
         inputs[i, :len(body)] = torch.as_tensor(body, dtype=torch.long)
     with torch.no_grad():
-        out = lm.model(input_ids=inputs, past_key_values=prefilled.cache(b), use_cache=True)
-    rest = torch.log_softmax(out.logits.float(), dim=-1)
+        logits, _ = forward_with_cache(lm.model, inputs, prefilled.cache(b))
+    rest = torch.log_softmax(logits.float(), dim=-1)
     return torch.cat([first, rest], dim=1)
 
 

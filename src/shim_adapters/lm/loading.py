@@ -9,6 +9,7 @@ can trust ``vocab_size`` as the full logits width, padding ids included.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from packaging.version import Version
+
 from shim_adapters.errors import VocabMismatchError
 
 #: Specs that name the LM shipped in ``shim_adapters/assets/default_lm``.
@@ -119,8 +122,15 @@ def _from_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None 
                               f"(or pip install 'shim-adapters[gguf]')")
         kwargs["gguf_file"] = gguf_file
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(directory, **{_dtype_keyword(): dtype}, **kwargs)
     return model, tokenizer
+
+
+def _dtype_keyword() -> str:
+    """from_pretrained's dtype argument: ``dtype`` since transformers 4.56 (5.x warns on the
+    old ``torch_dtype`` at every load), ``torch_dtype`` before."""
+    installed = Version(importlib.metadata.version("transformers"))
+    return "dtype" if installed >= Version("4.56") else "torch_dtype"
 
 
 def _checked(model: Any, tokenizer: Any, identifier: str, revision: str) -> LoadedLM:
@@ -148,6 +158,19 @@ def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
             if int(i) not in ids:
                 ids.append(int(i))
     return tuple(ids)
+
+
+def weights_digest(path: str | os.PathLike) -> str:
+    """The ``revision`` :func:`load_lm` records for a model directory or ``.gguf`` file, read
+    from its weights files without loading the model."""
+    path = Path(path).expanduser().resolve()
+    if path.is_file():
+        return _content_hash([path])
+    weights = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    if not weights:
+        raise FileNotFoundError(f"{path}: no weights file (*.safetensors, *.bin, *.gguf) in "
+                                f"this model directory")
+    return _content_hash(weights)
 
 
 def _content_hash(files: list[Path]) -> str:

@@ -2,7 +2,7 @@
 ``shim sample``, exact-target mode) goes through :func:`sample`.
 
 The prompt is run through the LM once (:func:`prefill`) and its KV cache is shared by every row
-(one copy where the model's attention reads it in place, see :mod:`.evaluation.lm_views`). Per
+(one copy where the model's attention reads it in place, see :mod:`.views`). Per
 step and live row the engine records what every consumer needs, so no one re-derives it:
 
 - ``lm_logprobs``: the LM's exact log-probability of the sampled token;
@@ -30,7 +30,10 @@ from typing import Protocol, Sequence
 
 import numpy as np
 import torch
+from transformers import Cache
+
 from shim_adapters.errors import DeadEndError, ForbiddenTokenError, VocabMismatchError
+from shim_adapters.lm.kv_cache import forward_with_cache, prompt_kv, widened
 from shim_adapters.lm.views import shared_prefix_cache, uses_split_attention
 from shim_adapters.mask.bitmask import allocate_token_bitmask, bitmask_to_bool, rows_with_any
 from shim_adapters.mask.protocol import Masker, MaskerState
@@ -52,7 +55,9 @@ class PrefilledPrompt:
     lm: object
     prompt: str
     ids: torch.Tensor  # (1, P)
-    past: tuple  # legacy (key, value) per layer, batch 1
+    #: The model's own cache of the prompt (batch 1), as the forward pass returned it. Never
+    #: handed to the model again: every batch gets a copy (:meth:`cache`).
+    past: Cache
     last_logits: torch.Tensor  # (V,)
 
     @property
@@ -62,14 +67,9 @@ class PrefilledPrompt:
     def cache(self, batch: int):
         """A fresh cache for ``batch`` rows that all continue this prompt (one shared copy of
         the prompt's KV where the model's attention supports it)."""
-        from transformers import DynamicCache
-
-
         if uses_split_attention(self.lm.model):
-            return shared_prefix_cache(self.past, batch)
-        return DynamicCache.from_legacy_cache(tuple(
-            tuple(t.expand(batch, *t.shape[1:]).contiguous() for t in layer)
-            for layer in self.past))
+            return shared_prefix_cache(prompt_kv(self.past), batch)
+        return widened(self.past, batch)
 
 
 def prefill(lm, prompt: str, *, add_special_tokens: bool = True) -> PrefilledPrompt:
@@ -81,11 +81,9 @@ def prefill(lm, prompt: str, *, add_special_tokens: bool = True) -> PrefilledPro
         raise ValueError("the prompt encodes to no tokens; the LM needs at least one token of "
                          "context (give a non-empty prompt)")
     with torch.no_grad():
-        out = lm.model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
-    legacy = past.to_legacy_cache() if hasattr(past, "to_legacy_cache") else past
-    return PrefilledPrompt(lm=lm, prompt=prompt, ids=ids, past=legacy,
-                           last_logits=out.logits[0, -1, :].float())
+        logits, past = forward_with_cache(lm.model, ids)
+    return PrefilledPrompt(lm=lm, prompt=prompt, ids=ids, past=past,
+                           last_logits=logits[0, -1, :].float())
 
 
 def eos_ids(lm, masker: Masker | None = None) -> frozenset[int]:
@@ -289,8 +287,8 @@ def _sample_batch(prefilled, n, masker, adjuster, defensive, watch, max_new_toke
                 nxt = nxt[index]
                 rows = rows[live]
             t0 = time.perf_counter()
-            out = lm.model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            logits, cache = forward_with_cache(lm.model, nxt[:, None], cache)
+            logits = logits[:, -1, :]
             timer.add("lm_forward", time.perf_counter() - t0)
     done = [bool(e) and not c and not f for e, c, f in zip(ended, cut, failed)]
     return Samples(token_ids=tokens, finished=done, lm_logprobs=lps, log_allowed_mass=logz,

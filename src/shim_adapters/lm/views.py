@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from transformers import DynamicCache
 
 
 class _Delegating(torch.nn.Module):
@@ -159,38 +160,38 @@ def _attention_with_split(module, query, key, value, attention_mask, dropout=0.0
                      scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-def shared_prefix_cache(prefix: tuple, batch: int):
-    """A cache for ``batch`` rows continuing one prompt whose (batch-1) KV is ``prefix``.
-    Only for models switched by :func:`gqa_without_copies` (their attention reads SplitKV)."""
-    from transformers import DynamicCache
+class SharedPrefixCache(DynamicCache):
+    """A cache for ``batch`` rows continuing one prompt whose (batch-1) KV is ``prefix``: the
+    generated part is an ordinary per-row :class:`DynamicCache`, and attention reads
+    :class:`SplitKV` pairs (prompt, generated). Only for models switched by
+    :func:`gqa_without_copies` (their attention reads SplitKV)."""
 
-    class SharedPrefixCache(DynamicCache):
-        def __init__(self) -> None:
-            super().__init__()
-            self.prefix = prefix
-            self.prefix_length = int(prefix[0][0].shape[-2])
-            self.batch = batch
+    def __init__(self, prefix: tuple[tuple[torch.Tensor, torch.Tensor], ...], batch: int) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.prefix_length = int(prefix[0][0].shape[-2])
+        self.batch = batch
 
-        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-            if layer_idx == 0:
-                self._seen_tokens += key_states.shape[-2]
-            if len(self.key_cache) <= layer_idx:
-                self.key_cache.append(key_states)
-                self.value_cache.append(value_states)
-            else:
-                self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], -2)
-                self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx],
-                                                         value_states], -2)
-            kp, vp = self.prefix[layer_idx]
-            return (SplitKV((kp, self.key_cache[layer_idx])),
-                    SplitKV((vp, self.value_cache[layer_idx])))
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        kp, vp = self.prefix[layer_idx]
+        return SplitKV((kp, keys)), SplitKV((vp, values))
 
-        def get_seq_length(self, layer_idx: int | None = 0) -> int:
-            own = self.key_cache[layer_idx].shape[-2] if len(self.key_cache) > (layer_idx or 0) \
-                else 0
-            return self.prefix_length + own
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.prefix_length + super().get_seq_length(layer_idx or 0)
 
-    return SharedPrefixCache()
+    def get_mask_sizes(self, query, layer_idx: int | None = 0) -> tuple[int, int]:
+        # the mask spans the shared prompt and the generated part; the query is given as its
+        # positions (transformers 4) or its length (transformers 5)
+        length = query if isinstance(query, int) else int(query.shape[0])
+        return self.get_seq_length(layer_idx) + length, 0
+
+
+def shared_prefix_cache(prefix: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                        batch: int) -> SharedPrefixCache:
+    """A cache for ``batch`` rows continuing one prompt whose (batch-1) KV is ``prefix``
+    (see :class:`SharedPrefixCache`)."""
+    return SharedPrefixCache(prefix, batch)
 
 
 def uses_split_attention(model) -> bool:

@@ -16,6 +16,7 @@ import json
 from typing import Iterable
 
 from shim_adapters.errors import VocabMismatchError
+from shim_adapters.mask.byte_level import byte_level_alphabet
 from shim_adapters.mask.tokenizer_identity import TokenizerIdentity
 
 from .caching import LRUCache
@@ -51,9 +52,7 @@ def _build_token_bytes(tokenizer) -> tuple[bytes | None, ...]:
     table: list[bytes | None] = [None] * len(tokenizer)
     vocab = tokenizer.get_vocab()
     if "ByteLevel" in decoders:
-        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-        char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        char_to_byte = byte_level_alphabet()
 
         def to_bytes(piece: str) -> bytes:
             try:
