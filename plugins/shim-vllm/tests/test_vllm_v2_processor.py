@@ -49,14 +49,14 @@ class HostBuffer:
 class Engine:
     """The V2 runner's per-slot token state for a few slots, and each step's LogitsContext."""
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, max_reqs: int = MAX_REQS):
         self.vocab_size = vocab_size
-        self.all_token_ids = DeviceBuffer(torch.zeros(MAX_REQS, MAX_LEN, dtype=torch.int32))
-        self.total_len = DeviceBuffer(torch.zeros(MAX_REQS, dtype=torch.int32))
-        self.prompt_len = HostBuffer(np.zeros(MAX_REQS, dtype=np.int32))
-        self.prefill_len = HostBuffer(np.zeros(MAX_REQS, dtype=np.int32))
+        self.all_token_ids = DeviceBuffer(torch.zeros(max_reqs, MAX_LEN, dtype=torch.int32))
+        self.total_len = DeviceBuffer(torch.zeros(max_reqs, dtype=torch.int32))
+        self.prompt_len = HostBuffer(np.zeros(max_reqs, dtype=np.int32))
+        self.prefill_len = HostBuffer(np.zeros(max_reqs, dtype=np.int32))
         self.req_states = LogitsProcRequestState(
-            device=torch.device("cpu"), max_num_reqs=MAX_REQS, vocab_size=vocab_size,
+            device=torch.device("cpu"), max_num_reqs=max_reqs, vocab_size=vocab_size,
             all_token_ids=self.all_token_ids, prompt_len=self.prompt_len,
             prefill_len=self.prefill_len, total_len=self.total_len)
 
