@@ -74,13 +74,17 @@ def test_refused_rare_token_is_a_completeness_failure_with_its_own_exit_bit():
     assert report.exit_status("soundness") == 0  # --fail-on narrows what fails the run
 
 
-def test_a_crashing_masker_is_an_error_never_a_pass():
+def test_a_crashing_masker_is_an_error_never_a_pass_and_sets_no_other_bit():
     spec = faulty_backend(get_backend("xgrammar"), "crash_late")
     report = _run(spec)
     cell = report.cells[0]
-    assert cell.error and "injected crash" in cell.error
-    assert report.exit_code & FAILURE_CLASSES["errors"][0]
-    assert "errors" in report.failing_classes()
+    crashed = {name: c.error for name, c in cell.checks.items() if c.error}
+    assert crashed and all("injected crash" in e for e in crashed.values()), crashed
+    # the crash is the errors class only: the checks it stopped are not judged, not passed
+    assert report.exit_code == FAILURE_CLASSES["errors"][0], report.to_markdown()
+    status = cell.class_status()
+    assert status["soundness"] in ("not run", "incomplete") and status["errors"] == "failed"
+    assert "ERROR" in report.to_markdown()
 
 
 @pytest.mark.parametrize("fault,check,kind,klass", [
@@ -151,9 +155,19 @@ def test_cli_exit_status_fail_on_and_junit_xml(tmp_path, capsys):
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
     assert failed == ["no_dead_ends"]
     assert conformance_main(args + ["--fail-on", "soundness,completeness"]) == 0
-    assert conformance_main(["--backend", "xgrammar", "--grammar", "binary5",
-                             "--tokenizer", str(tmp_path / "missing")]) == 8
-    assert "does not exist" in capsys.readouterr().err or True
+    capsys.readouterr()
+    # usage errors exit 2 (as argparse does), before anything loads
+    for bad in (["--backend", "xgrammar", "--grammar", "binary5", "--tokenizer",
+                 str(tmp_path / "missing")],
+                ["--backend", "nope", "--grammar", "binary5"],
+                ["--backend", "xgrammar", "--grammar", str(tmp_path / "missing.lark")],
+                ["--backend", "xgrammar", "--grammar", "binary5", "--accept-known", "typo"]):
+        assert conformance_main(bad) == 2, bad
+        assert "usage error" in capsys.readouterr().err
+    # a file that exists but does not load is the errors class
+    broken = tmp_path / "broken.lark"
+    broken.write_text("start: (((\n")
+    assert conformance_main(["--backend", "xgrammar", "--grammar", str(broken)]) & 8
 
 
 def test_known_bugs_match_the_construct_and_version_only():
@@ -300,3 +314,65 @@ def test_known_bug_probes_reproduce_the_bug_and_stay_quiet_on_a_correct_backend(
     assert shows is True and "refused after" in where
     assert replay_known_bug(contexts["outlines"], "xgrammar-schema-raw-control-chars")[0] is False
     assert replay_known_bug(contexts["xgrammar"], "outlines-core-schema-whitespace")[0] is False
+
+
+def test_a_grammar_that_does_not_compile_reports_its_classes_as_not_run():
+    report = _run("syncode", grammar=str(ROOT / "conformance" / "grammars" / "email.regex"))
+    status = report.cells[0].class_status()
+    assert status["errors"] == "failed"
+    assert all(status[c] == "not run" for c in ("soundness", "completeness", "dead-ends",
+                                                 "control-tokens")), status
+    assert report.exit_code == FAILURE_CLASSES["errors"][0]
+    assert "not run" in report.to_markdown()
+
+
+def test_a_crash_in_the_gamma_check_is_an_error_not_a_soundness_failure():
+    """A dead end makes the γ check's sampling crash: the dead end is its own class and the
+    crash an error; the soundness bit stays clear."""
+    report = _run(faulty_backend(get_backend("xgrammar"), "stuck_late"), gamma=True,
+                  gamma_samples=2, gamma_max_new_tokens=4)
+    cell = report.cells[0]
+    gamma = cell.checks["gamma"]
+    assert gamma.failed == 0 and (gamma.error or gamma.not_run), gamma
+    assert not report.exit_code & FAILURE_CLASSES["soundness"][0], report.to_markdown()
+    assert report.exit_code & FAILURE_CLASSES["dead-ends"][0]
+
+
+def _schema_repro(prefix, token_bytes, kind="valid_token_refused"):
+    text = token_bytes.decode(errors="replace")
+    return Repro("completeness", kind, "xgrammar", "gpt2", "s.json", prefix, [], 1, text,
+                 "refused", token_hex=token_bytes.hex())
+
+
+@pytest.mark.parametrize("schema,prefix,token,known", [
+    # the escape is refused inside a maxLength string: XGrammar's bug
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}},
+     '{"a":"x', b"\\", True),
+    # no maxLength anywhere: the bug cannot apply, whatever the token
+    ({"type": "object", "properties": {"a": {"type": "string"}}}, '{"a":"x', b"\\", False),
+    # maxLength on another member: this string is not bounded
+    ({"type": "object", "properties": {"a": {"type": "string"},
+                                       "b": {"type": "string", "maxLength": 4}}},
+     '{"b":"x","a":"x', b"\\", False),
+    # a maxLength array item
+    ({"type": "object", "properties": {"t": {"type": "array", "items": {
+        "type": "string", "maxLength": 3}}}}, '{"t":["x', b"\\n", True),
+    # a partial-UTF-8 byte token: its display b'\xed' has a backslash, its bytes do not
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}},
+     '{"a":"x', b"\xed", False),
+])
+def test_the_maxlength_escape_bug_matches_only_its_construct_and_bytes(schema, prefix, token,
+                                                                      known):
+    grammar = Grammar(json.dumps(schema), "json_schema", "s.json")
+    got = match_known_bug(_schema_repro(prefix, token), "0.2.9", grammar)
+    assert (got == "xgrammar-schema-escapes-refused") is known, got
+    assert match_known_bug(_schema_repro(prefix, token), "0.2.9", None) is None
+
+
+def test_accept_known_names_only_real_bugs():
+    from shim_adapters.conformance.known_bugs import UnknownKnownBugError, check_known_ids
+
+    assert check_known_ids("xgrammar-schema-escapes-refused") == \
+        ("xgrammar-schema-escapes-refused",)
+    with pytest.raises(UnknownKnownBugError, match="no known bug 'typo'"):
+        check_known_ids(["typo"])

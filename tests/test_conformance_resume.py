@@ -18,7 +18,7 @@ PROFILE = {"profile": "fast", "gamma": False, "backends": ["xgrammar", "outlines
            "tokenizers": ["default"],
            "grammars": ["binary5", str(ROOT / "conformance" / "grammars" / "semver.regex")],
            "overrides": {"uniform_walks": 1, "rare_walks": 1, "valid_strings": 4,
-                         "exhaustive_states": 4, "phase_budget_s": 2}}
+                         "exhaustive_states": 4}}
 
 
 def _ran(messages: list[str]) -> list[str]:

@@ -21,13 +21,25 @@ import argparse
 import sys
 from pathlib import Path
 
+from shim_adapters.backends.registry import backends as installed_backends
+from shim_adapters.conformance.known_bugs import UnknownKnownBugError, check_known_ids
+from shim_adapters.conformance.profiles import PROFILES
 from shim_adapters.conformance.report import FAILURE_CLASSES, Report, parse_fail_on
+from shim_adapters.conformance.runner import (SHIPPED_TOKENIZER_NAMES, run_conformance,
+                                              run_profile_file)
+from shim_adapters.grammars import BUILTIN_GRAMMARS
+from shim_adapters.lm.loading import SMOLLM2_SPEC
+from shim_adapters.mask.tokenizers_offline import OFFLINE_TOKENIZERS
 
 _CLASSES = FAILURE_CLASSES
-from shim_adapters.conformance.runner import run_conformance, run_profile_file
 
-#: Exit status when the command itself cannot run (bad arguments, unloadable input).
-USAGE_ERROR = FAILURE_CLASSES["errors"][0]
+#: Exit status of a usage error: the command cannot run as asked (an unknown backend, a
+#: grammar or tokenizer file that does not exist, an unknown known-bug id), as argparse exits.
+#: Nothing is checked and no report is written; stderr says ``usage error``.
+USAGE_ERROR = 2
+#: Exit status when an input exists but does not load (a tokenizer or grammar file that is
+#: broken): the errors class.
+LOAD_ERROR = FAILURE_CLASSES["errors"][0]
 
 
 def main(argv=None) -> int:
@@ -49,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fail-on", default=None,
                     help="comma list of failure classes that fail the run: "
                          f"{', '.join(_CLASSES)}, all, default, none (default: default)")
+    ap.add_argument("--accept-known", action="append", default=[], metavar="ID",
+                    help="acknowledge this known bug (repeat, or a comma list): met, it is "
+                         "listed but does not fail its class; any other known bug met fails")
     ap.add_argument("--junit-xml", default=None, help="also write a JUnit XML report here")
     ap.add_argument("--out", default=None, help="directory for the JSON + markdown report")
     ap.add_argument("--stem", default=None, help="report file name stem")
@@ -77,12 +92,18 @@ def main(argv=None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     try:
+        args.accept_known = check_known_ids(",".join(args.accept_known))
+        _check_usage(args)
+    except (UsageError, UnknownKnownBugError) as exc:
+        print(f"conformance: usage error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
         report = _run(ap, args, fail_on)
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - fail closed: an input that does not load
         print(f"conformance could not run: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return USAGE_ERROR
+        return LOAD_ERROR
     if args.out:
         json_path, md_path = report.write(args.out, args.stem)
         print(f"wrote {json_path} and {md_path}")
@@ -129,7 +150,8 @@ def _run(ap, args, fail_on) -> Report:
         report = run_profile_file(args.profile_file, checkpoint=checkpoint,
                                   fail_on=fail_on if args.fail_on else None, log_path=log_path,
                                   resume=args.resume or args.assemble, import_reports=imports,
-                                  rerun=args.rerun, run_missing=not args.assemble, **overrides)
+                                  rerun=args.rerun, run_missing=not args.assemble,
+                                  accept_known=args.accept_known, **overrides)
         report.meta.pop("partial", None)
         report.meta.pop("resume_command", None)
         if report.meta.get("remaining_cells"):
@@ -143,12 +165,42 @@ def _run(ap, args, fail_on) -> Report:
     for grammar in args.grammar:
         one = run_conformance(args.backend, args.tokenizer, grammar, args.profile,
                               logits_width=args.logits_width, seed=args.seed,
-                              controller_dir=args.controller, eos=args.eos, fail_on=fail_on)
+                              controller_dir=args.controller, eos=args.eos, fail_on=fail_on,
+                              accept_known=args.accept_known)
         if report is None:
             report = one
         else:
             report.merge(one)
     return report
+
+
+class UsageError(ValueError):
+    """The command cannot run as asked (exit 2)."""
+
+
+def _check_usage(args) -> None:
+    """What can be checked before anything loads: the backend is installed, each grammar is
+    a built-in or an existing file, the tokenizer a known name or an existing path, the
+    profile (file) exists."""
+    if args.profile_file:
+        if not Path(args.profile_file).is_file():
+            raise UsageError(f"no profile file {args.profile_file}")
+        return
+    if args.profile not in PROFILES:
+        raise UsageError(f"unknown profile {args.profile!r}; choose from {', '.join(PROFILES)}")
+    if args.backend and args.backend not in installed_backends():
+        raise UsageError(f"no backend named {args.backend!r} is installed; installed: "
+                         f"{', '.join(installed_backends()) or 'none'}")
+    for grammar in args.grammar or ():
+        if grammar not in BUILTIN_GRAMMARS and not Path(grammar).is_file():
+            raise UsageError(f"grammar {grammar!r} is neither a built-in "
+                             f"({', '.join(BUILTIN_GRAMMARS)}) nor an existing file")
+    tok = args.tokenizer
+    if tok not in SHIPPED_TOKENIZER_NAMES + (SMOLLM2_SPEC,) and tok not in OFFLINE_TOKENIZERS \
+            and not Path(tok).exists():
+        raise UsageError(f"tokenizer {tok!r} is neither {', '.join(SHIPPED_TOKENIZER_NAMES)}, "
+                         f"an offline name ({', '.join(OFFLINE_TOKENIZERS)}) nor an existing "
+                         "file or directory")
 
 
 def _default_stem(profile_file: str) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+
 from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.conformance.grammar_analysis import grammar_diagnostics
 from shim_adapters.conformance.known_bugs import Probe, known_bug, match_known_bug
@@ -63,6 +64,12 @@ class CellContext:
     control: CheckResult | None = None
     mask_calls: int = 0
     seconds_per_mask: float = 0.0
+    #: Wall-clock safety net (``time.perf_counter()`` value): past it a check stops and is
+    #: reported incomplete. The work each check does is fixed by the profile's counts.
+    deadline: float = float("inf")
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() > self.deadline
 
     def __post_init__(self) -> None:
         self.reference = reference_acceptor(self.grammar)
@@ -70,9 +77,10 @@ class CellContext:
         width = self.masker.vocab_size
         self.is_text = np.zeros(width, dtype=bool)
         self.is_text[self.vocab.text_ids[self.vocab.text_ids < width]] = True
-        #: Chat-template control tokens not flagged special: judged on their own, never text.
-        self.control_ids = np.array(sorted(i for i in self.vocab.control_ids if i < width),
-                                    dtype=np.int64)
+        #: Added tokens not flagged special and not named by the grammar: control tokens,
+        #: judged on their own (never allowed), never text.
+        self.control_ids = np.array(sorted(i for i in self.vocab.control_ids_for(
+            self.grammar.text) if i < width), dtype=np.int64)
         self.is_text[self.control_ids] = False
         self._syntactic = None
         self.eos_ids = sorted(i for i in self.masker.eos_token_ids if i < width)
@@ -208,7 +216,10 @@ class CellContext:
                      prefix_text=self.text(prefix_ids), prefix_token_ids=[int(i) for i in prefix_ids],
                      token_id=None if token_id is None else int(token_id),
                      token_text=None if token_id is None else self.vocab.text_of(int(token_id)),
-                     detail=detail, added_text=added)
+                     detail=detail, added_text=added,
+                     token_hex=None if token_id is None or int(token_id) >= len(
+                         self.vocab.token_bytes) or self.vocab.token_bytes[int(token_id)] is None
+                     else self.vocab.token_bytes[int(token_id)].hex())
 
     def fail(self, result: CheckResult, repro: Repro) -> None:
         result.add_failure(repro, match_known_bug(repro, self.masker.backend_version,
@@ -249,14 +260,13 @@ def walks(ctx: CellContext, sound: CheckResult, dead: CheckResult) -> None:
     masks0 = ctx.mask_calls
     done = 0
     for w in range(p.uniform_walks + p.rare_walks):
-        if time.perf_counter() - t0 > p.phase_budget_s:
-            sound.notes.append(f"walks stopped by the time budget ({p.phase_budget_s:.0f} s) "
-                               f"after {done} of {p.uniform_walks + p.rare_walks}")
+        if ctx.out_of_time():
+            _incomplete(sound, f"walks: {done} of {p.uniform_walks + p.rare_walks} ran")
+            _incomplete(dead, f"walks: {done} of {p.uniform_walks + p.rare_walks} ran")
             break
         done += 1
         strategy = "uniform" if w < p.uniform_walks else "rare"
-        outcome, n_undecided = _walk(ctx, strategy, sound, dead,
-                                     deadline=t0 + p.phase_budget_s)
+        outcome, n_undecided = _walk(ctx, strategy, sound, dead)
         undecided += n_undecided
         if outcome == "finished":
             finished += 1
@@ -289,17 +299,22 @@ def _choose(ctx: CellContext, strategy: str, allowed: np.ndarray, eos: bool, ste
     return int(allowed[rng.randrange(len(allowed))])
 
 
-def _walk(ctx: CellContext, strategy: str, sound: CheckResult, dead: CheckResult,
-          deadline: float = float("inf")) -> tuple[str, int]:
+def _incomplete(check: CheckResult, what: str) -> None:
+    """The safety cap stopped ``check`` before its work budget was done."""
+    text = f"stopped by the wall-clock safety cap: {what}"
+    check.incomplete = f"{check.incomplete}; {text}" if check.incomplete else text
+
+
+def _walk(ctx: CellContext, strategy: str, sound: CheckResult, dead: CheckResult
+          ) -> tuple[str, int]:
     m = ctx.masker
     p = ctx.profile
     state = m.new_state()
     ids: list[int] = []
     undecided = 0
     for step in range(2 * p.walk_budget):
-        if time.perf_counter() > deadline:
-            sound.notes.append(f"a walk was cut at step {step} by the time budget "
-                               f"({p.phase_budget_s:.0f} s)")
+        if ctx.out_of_time():
+            _incomplete(sound, f"a walk was cut at step {step}")
             return "cut", undecided
         mask = state.allowed_mask()
         ctx.mask_calls += 1
@@ -468,11 +483,10 @@ def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound:
     categories = {"leading_space": [0, 0], "multi_terminal": [0, 0], "partial_utf8": [0, 0],
                   "three_plus_terminals": [0, 0]}
     modes = {}
-    t0 = time.perf_counter()
     for n_done, (mode, s) in enumerate(strings):
-        if time.perf_counter() - t0 > p.phase_budget_s:
-            comp.notes.append(f"canonical strings stopped by the time budget after {n_done} "
-                              f"of {len(strings)}")
+        if ctx.out_of_time():
+            _incomplete(comp, f"canonical tokenizations of {n_done} of {len(strings)} valid "
+                        "strings checked")
             strings = strings[:n_done]
             break
         ids, how = ctx.vocab.canonical(s)
@@ -490,11 +504,10 @@ def completeness(ctx: CellContext, comp: CheckResult, edges: CheckResult, sound:
         _report_incomplete(ctx, comp, s, mode)
         continue
     comp.info.update(tokenization=modes)
-    t0 = time.perf_counter()
     for n_done, (mode, s) in enumerate(strings):
-        if time.perf_counter() - t0 > p.phase_budget_s:
-            comp.notes.append(f"non-canonical tokenizations stopped by the time budget after "
-                              f"{n_done} of {len(strings)} strings")
+        if ctx.out_of_time():
+            _incomplete(comp, f"non-canonical tokenizations of {n_done} of {len(strings)} "
+                        "valid strings checked")
             break
         variants = [("char_by_char", ctx.vocab.char_by_char(s))]
         for _ in range(max(0, p.noncanonical_per_string - 1)):
@@ -691,17 +704,33 @@ def edge_probes(ctx: CellContext, edges: CheckResult) -> None:
         edges.notes.append("logits width equals the vocabulary: no padding ids to probe")
 
 
+def _phase(run: Callable[[], None], crashed: Sequence[CheckResult]) -> float:
+    """Run one phase; a crash in it (the masker's or a check's own) marks the checks it fills
+    as crashed: an error of the cell, never a verdict on another class. Returns seconds."""
+    t0 = time.perf_counter()
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - a crash is a finding, reported per check
+        text = f"{type(exc).__name__}: {exc}"
+        for check in crashed:
+            check.error = check.error or text
+    return round(time.perf_counter() - t0, 3)
+
+
 def run_cell_checks(ctx: CellContext) -> dict[str, CheckResult]:
-    """All per-masker checks; the γ check is added by the runner."""
+    """All per-masker checks; the γ check is added by the runner. The work is fixed by the
+    profile's counts; ``profile.safety_cap_s`` (from now) only stops a runaway cell, whose
+    unfinished checks are then reported incomplete."""
     sound = CheckResult("soundness")
     comp = CheckResult("completeness")
     dead = CheckResult("no_dead_ends")
     edges = CheckResult("tokenizer_edges")
     control = CheckResult("control_tokens")
     ctx.control = control
+    ctx.deadline = time.perf_counter() + ctx.profile.safety_cap_s
     if not len(ctx.control_ids):
-        control.not_run = ("the tokenizer has no chat-template control token outside its "
-                           "special tokens")
+        control.not_run = ("the tokenizer has no added token outside its special tokens "
+                           "(or the grammar names each one)")
     else:
         control.info["control_tokens"] = [ctx.vocab.text_of(int(i)) for i in ctx.control_ids]
     first = ctx.masker.new_state().allowed_mask()
@@ -720,20 +749,13 @@ def run_cell_checks(ctx: CellContext) -> dict[str, CheckResult]:
     if diagnostics:
         sound.info["grammar_diagnostics"] = diagnostics
         sound.notes.extend(f"grammar: {d}" for d in diagnostics)
-    t0 = time.perf_counter()
-    walks(ctx, sound, dead)
-    t1 = time.perf_counter()
-    completeness(ctx, comp, edges, sound)
-    t2 = time.perf_counter()
-    edge_probes(ctx, edges)
-    t3 = time.perf_counter()
-    exhaustive(ctx, sound, comp, dead, control)
-    t4 = time.perf_counter()
-    sound.seconds = dead.seconds = round(t1 - t0, 3)
-    comp.seconds = round(t2 - t1, 3)
-    edges.seconds = round(t3 - t2, 3)
-    control.seconds = round(t4 - t3, 3)
-    sound.info.setdefault("exhaustive", {})["seconds"] = round(t4 - t3, 3)
+    sound.seconds = dead.seconds = _phase(lambda: walks(ctx, sound, dead), (sound, dead))
+    comp.seconds = _phase(lambda: completeness(ctx, comp, edges, sound), (comp,))
+    edges.seconds = _phase(lambda: edge_probes(ctx, edges), (edges,))
+    seconds = _phase(lambda: exhaustive(ctx, sound, comp, dead, control),
+                     (sound, comp, dead, control))
+    control.seconds = seconds
+    sound.info.setdefault("exhaustive", {})["seconds"] = seconds
     return {c.name: c for c in (sound, comp, dead, edges, control)}
 
 
@@ -747,31 +769,64 @@ EXHAUSTIVE_SEED = 0
 EXHAUSTIVE_REPROS_PER_STATE = 3
 
 
+#: The rule by which exhaustive states are drawn, as the report states it.
+EXHAUSTIVE_SAMPLING_RULE = (
+    "the start state, then for each of `exhaustive_strings` valid strings generated at a fixed "
+    "seed (canonical tokenization of L tokens): every depth 1..L when `exhaustive_states` "
+    "allows it, else the accepting state (depth L), the last state before it (L-1), the "
+    "first state inside a UTF-8 character, and depths spread evenly over 1..L-2 up to an "
+    "equal share of `exhaustive_states` (at least 4: a small budget sweeps fewer strings); "
+    "states are deduplicated and swept string by string, the deepest first")
+#: States per string at least: the two last ones and two more depths (a small budget sweeps
+#: fewer strings rather than only their ends).
+MIN_STATES_PER_STRING = 4
+
+
+def _spread(lo: int, hi: int, k: int) -> list[int]:
+    """``k`` integers spread evenly over ``lo..hi`` (both ends included when k >= 2)."""
+    if k <= 0 or hi < lo:
+        return []
+    if k >= hi - lo + 1:
+        return list(range(lo, hi + 1))
+    if k == 1:
+        return [(lo + hi) // 2]
+    return sorted({lo + round(i * (hi - lo) / (k - 1)) for i in range(k)})
+
+
 def exhaustive_states(ctx: CellContext) -> list[list[int]]:
-    """The start state, one state inside a UTF-8 character per string where its canonical
-    tokenization has one, then the prefixes of canonical tokenizations of strings generated
-    at a fixed seed, round-robin by length (so a time cap still spreads over the strings)."""
+    """The states the exhaustive check sweeps (:data:`EXHAUSTIVE_SAMPLING_RULE`): drawn along
+    whole valid strings, at every depth or spread over all depths, always with the accepting
+    state and the last state before it. At most ``exhaustive_states`` states."""
     p = ctx.profile
     strings, _ = valid_strings(ctx.grammar, p.exhaustive_strings, EXHAUSTIVE_SEED)
     seqs = [ctx.vocab.canonical(s)[0] for _, s in strings]
+    total = max(1, p.exhaustive_states)
+    share = max(MIN_STATES_PER_STRING, (total - 1) // max(1, len(seqs)))
     out: list[list[int]] = [[]]
     seen = {()}
-    # First the states inside a UTF-8 character (byte tokens emitted part of it): the edge
-    # that byte-level and byte-fallback vocabularies create and maskers most often get wrong.
     for q in seqs:
-        for k in range(1, len(q) + 1):
-            data = ctx.data(q[:k])
-            try:
-                tail = decode_prefix(data)[1]
-            except UnicodeDecodeError:
-                continue
-            if tail and tuple(q[:k]) not in seen:
-                seen.add(tuple(q[:k]))
-                out.append(list(q[:k]))
-                break  # one per string
-    for k in range(1, max((len(q) for q in seqs), default=0) + 1):
-        for q in seqs:
-            if k <= len(q) and tuple(q[:k]) not in seen:
+        n = len(q)
+        if n == 0:
+            continue
+        depths: list[int] = []
+        if share >= n:
+            depths = list(range(n, 0, -1))
+        else:
+            depths = [n, n - 1] if n > 1 else [n]
+            for k in range(1, n):  # the first state inside a UTF-8 character
+                try:
+                    tail = decode_prefix(ctx.data(q[:k]))[1]
+                except UnicodeDecodeError:
+                    continue
+                if tail:
+                    depths.append(k)
+                    break
+            rest = share - len(set(depths))
+            depths += sorted(_spread(1, n - 2, rest), reverse=True)
+        for k in dict.fromkeys(depths):
+            if len(out) >= total:
+                return out
+            if tuple(q[:k]) not in seen:
                 seen.add(tuple(q[:k]))
                 out.append(list(q[:k]))
     return out
@@ -810,22 +865,27 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
                           "canonical tokenizations only, so refusals are judged on canonical "
                           "tokenizations of generated valid strings")
     t0 = time.perf_counter()
-    deadline = t0 + p.exhaustive_budget_s
+    deadline = ctx.deadline
+    summary["sampling_rule"] = EXHAUSTIVE_SAMPLING_RULE
     rows = []
     totals = dict(states=0, tokens_checked=0, wrongly_allowed=0, wrongly_blocked=0,
                   dead_end_tokens=0, control_allowed=0, undecided=0, skipped_tokens=0,
-                  refused_as_declared=0)
+                  refused_as_declared=0, special_allowed=0, padding_allowed=0, eos_wrong=0)
     minimised: set[str] = set()
     width = ctx.masker.vocab_size
     for n_done, ids in enumerate(states):
-        if time.perf_counter() > deadline or n_done >= p.exhaustive_states:
+        if ctx.out_of_time():
             break
         state = ctx.replay(ids)
         if state is None or state.is_finished:
             continue  # a refused canonical token: the completeness check reports it
-        mask = np.asarray(state.allowed_mask())[:width]
+        full = np.asarray(state.allowed_mask())
+        if full.shape != (width,):
+            continue  # the walks report the misshapen mask
+        mask = full[:width]
         ctx.mask_calls += 1
         data = ctx.data(ids)
+        _sweep_non_text(ctx, state, mask, ids, sound, comp, totals)
         verdicts = reference_verdicts(ctx.prefix, data, ctx.vocab, deadline).verdicts[:width]
         if judge_blocked and blocking is not ctx.prefix:
             certain = reference_verdicts(blocking, data, ctx.vocab, deadline).verdicts[:width]
@@ -892,10 +952,7 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
                     kept[bug] = kept.get(bug, 0) + 1
                     ctx.fail(check, repro)
                 elif bug:
-                    check.xfailed += 1
-                    check.info.setdefault("known_bugs_seen", [])
-                    if bug not in check.info["known_bugs_seen"]:
-                        check.info["known_bugs_seen"].append(bug)
+                    check.add_known(bug)
                 else:
                     check.failed += 1
                 if first_unknown is None and bug is None:
@@ -921,11 +978,54 @@ def exhaustive(ctx: CellContext, sound: CheckResult, comp: CheckResult, dead: Ch
     seconds = time.perf_counter() - t0
     summary.update(totals, states_available=len(states), seconds=round(seconds, 3),
                    per_state=rows)
-    if totals["states"] < min(len(states), p.exhaustive_states) or totals["skipped_tokens"]:
-        sound.notes.append(
-            f"exhaustive mask check stopped by its time cap ({p.exhaustive_budget_s:.0f} s): "
-            f"{totals['states']} of {min(len(states), p.exhaustive_states)} states checked, "
-            f"{totals['skipped_tokens']} tokens skipped at the last state")
+    summary["depths"] = sorted({r["prefix_tokens"] for r in rows})
+    if ctx.out_of_time() or totals["skipped_tokens"]:
+        what = (f"exhaustive mask check: {totals['states']} of {len(states)} states swept, "
+                f"{totals['skipped_tokens']} tokens skipped at the last state")
+        for check in (sound, comp, dead, control):
+            if not check.not_run:
+                _incomplete(check, what)
+
+
+def _sweep_non_text(ctx: CellContext, state: MaskerState, mask: np.ndarray, ids: list[int],
+                    sound: CheckResult, comp: CheckResult, totals: dict) -> None:
+    """The ids the reference does not judge as text, at an exhaustive state: every special
+    (non-EOS) token and every padding id refused, EOS allowed exactly where the reference
+    accepts the text (and the mask agrees with ``eos_allowed()``)."""
+    special = ctx.non_eos_special[mask[ctx.non_eos_special]] if len(ctx.non_eos_special) \
+        else np.zeros(0, dtype=np.int64)
+    pad = np.flatnonzero(mask[ctx.n_tokens:]) + ctx.n_tokens
+    totals["special_allowed"] += len(special)
+    totals["padding_allowed"] += len(pad)
+    sound.passed += (len(ctx.non_eos_special) - len(special)) + \
+        (len(mask) - ctx.n_tokens - len(pad))
+    for kind, wrong in (("special_allowed", special), ("padding_allowed", pad)):
+        for t in wrong[:EXHAUSTIVE_REPROS_PER_STATE]:
+            ctx.fail(sound, ctx.repro("soundness", kind, ids, int(t),
+                                      f"{kind.split('_')[0]} token allowed (exhaustive mask "
+                                      "check)"))
+        sound.failed += max(0, len(wrong) - EXHAUSTIVE_REPROS_PER_STATE)
+    eos = state.eos_allowed()
+    in_mask = any(bool(mask[e]) for e in ctx.eos_ids)
+    accepts = ctx.accepts(ids)
+    if eos != in_mask:
+        totals["eos_wrong"] += 1
+        ctx.fail(sound, ctx.repro("soundness", "eos_mask_mismatch", ids, None,
+                                  f"eos_allowed()={eos} but EOS in mask={in_mask} (exhaustive "
+                                  "mask check)"))
+    elif eos and not accepts:
+        totals["eos_wrong"] += 1
+        _report_minimised(ctx, sound, "eos_not_accepting", ids, None,
+                          lambda st: st.eos_allowed(),
+                          "EOS allowed but the reference does not accept the text (exhaustive "
+                          "mask check)", also=lambda sub: not ctx.accepts(sub))
+    elif not eos and accepts:
+        totals["eos_wrong"] += 1
+        ctx.fail(comp, ctx.repro("completeness", "eos_refused_at_end", ids, None,
+                                 "the reference accepts the text but EOS is refused (exhaustive "
+                                 "mask check)"))
+    else:
+        sound.passed += 1
 
 
 #: Marks a refused token where the grammar forces the next text and the backend allows

@@ -6,7 +6,8 @@ tokenizer (with padding ids added to the logits width, so padding handling is ex
     pytest --pyargs shim_adapters.conformance.contract                     # every installed backend
     SHIM_CONTRACT_BACKENDS=mybackend pytest --pyargs shim_adapters.conformance.contract
     SHIM_CONTRACT_TOKENIZER=gpt2 pytest --pyargs shim_adapters.conformance.contract   # another tokenizer
-    python -m shim_adapters.conformance.contract mybackend                 # same, without pytest
+    SHIM_CONTRACT_GRAMMARS=my.lark,id.regex pytest --pyargs shim_adapters.conformance.contract
+    python -m shim_adapters.conformance.contract mybackend --grammar my.lark   # without pytest
 
 or from code: ``run_contract("mybackend")`` returns one :class:`ContractOutcome` per check and
 grammar; ``assert_contract("mybackend")`` raises on the first violation.
@@ -22,6 +23,7 @@ reference acceptor accepts.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import random
@@ -30,11 +32,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+
 from shim_adapters.backends.registry import backends, get_backend
+from shim_adapters.backends.spec import BackendSpec
+from shim_adapters.conformance.checks import CellContext, _choose
 from shim_adapters.conformance.profiles import get_profile
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.errors import ForbiddenTokenError
-from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
+from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar, load_grammar
 from shim_adapters.grammars.reference import reference_acceptor
 from shim_adapters.lm.loading import load_lm
 from shim_adapters.mask.protocol import (
@@ -45,9 +50,6 @@ from shim_adapters.mask.protocol import (
     StateFeatures,
 )
 from shim_adapters.mask.vocab import Vocabulary
-
-from shim_adapters.backends.spec import BackendSpec
-from shim_adapters.conformance.checks import CellContext, _choose
 
 #: Grammars every backend is checked on.
 CONTRACT_GRAMMARS: tuple[str, ...] = tuple(BUILTIN_GRAMMARS)
@@ -71,8 +73,12 @@ KNOWN_CONTRACT_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 def contract_grammars(backend: str) -> tuple[str, ...]:
-    """The grammars ``backend`` is checked on: the built-ins if it takes Lark, plus one per
-    other format it declares."""
+    """The grammars ``backend`` is checked on: the grammar files named by
+    $SHIM_CONTRACT_GRAMMARS (a plugin whose backend takes only some grammars of a format names
+    its own), else the built-ins if it takes Lark, plus one per other format it declares."""
+    chosen = os.environ.get(GRAMMARS_ENV_VAR)
+    if chosen:
+        return tuple(g.strip() for g in chosen.split(",") if g.strip())
     formats = set(get_backend(backend).grammar_formats)
     names = list(CONTRACT_GRAMMARS) if "lark" in formats else []
     names += [key for key, g in FORMAT_GRAMMARS.items() if g.format in formats]
@@ -80,12 +86,14 @@ def contract_grammars(backend: str) -> tuple[str, ...]:
 
 
 def contract_grammar(name: str) -> Grammar:
-    """A built-in name or a ``format:name`` key of :data:`FORMAT_GRAMMARS`."""
-    return FORMAT_GRAMMARS[name] if name in FORMAT_GRAMMARS else builtin_grammar(name)
+    """A ``format:name`` key of :data:`FORMAT_GRAMMARS`, a built-in name or a grammar file."""
+    return FORMAT_GRAMMARS[name] if name in FORMAT_GRAMMARS else load_grammar(name)
 #: Extra logits beyond the tokenizer's vocabulary, as real models pad their embedding.
 CONTRACT_PADDING = 37
 #: Environment variable restricting the pytest run to some backends (comma-separated).
 BACKENDS_ENV_VAR = "SHIM_CONTRACT_BACKENDS"
+#: Environment variable naming the grammar files to check on (comma-separated).
+GRAMMARS_ENV_VAR = "SHIM_CONTRACT_GRAMMARS"
 #: Environment variable choosing another tokenizer than the shipped LM's.
 TOKENIZER_ENV_VAR = "SHIM_CONTRACT_TOKENIZER"
 
@@ -449,16 +457,24 @@ def test_backend_registration(contract_backend: str) -> None:
     spec = get_backend(contract_backend)
     assert spec.version and spec.grammar_formats, spec
     assert set(spec.feature_status) == set(FEATURE_NAMES), spec.feature_status
-    masker = contract_masker(contract_backend, CONTRACT_GRAMMARS[0])
+    masker = contract_masker(contract_backend, contract_grammars(contract_backend)[0])
     assert masker.backend_name == spec.name and masker.backend_version, masker
     assert masker.vocab_size == contract_tokenizer()[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    names = list(argv if argv is not None else sys.argv[1:]) or contract_backends()
+    parser = argparse.ArgumentParser(
+        prog="python -m shim_adapters.conformance.contract",
+        description="Run the backend contract on installed backends (default: all).")
+    parser.add_argument("backends", nargs="*", help="backend names (default: every installed)")
+    parser.add_argument("--grammar", action="append", default=None, metavar="FILE",
+                        help="a grammar file to check on (repeatable; default: the built-ins "
+                             "and one grammar per format the backend declares)")
+    args = parser.parse_args(argv)
+    names = args.backends or contract_backends()
     bad = 0
     for name in names:
-        for o in run_contract(name):
+        for o in run_contract(name, grammars=args.grammar):
             bad += not o.ok
             print(f"{'ok  ' if o.ok else 'FAIL'} {o.backend:10s} {o.grammar:8s} {o.check}"
                   + ("" if o.ok else f"\n     {o.message}"))

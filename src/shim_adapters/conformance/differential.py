@@ -16,12 +16,12 @@ import time
 from typing import Sequence
 
 import numpy as np
+
+from shim_adapters.conformance.checks import CellContext
 from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.conformance.report import DifferentialResult
 from shim_adapters.conformance.tokenizations import excused_split
 from shim_adapters.mask.protocol import Masker, Tokenizations
-
-from shim_adapters.conformance.checks import CellContext
 
 
 def differential(contexts: Sequence[CellContext]) -> DifferentialResult:
@@ -44,8 +44,9 @@ def differential(contexts: Sequence[CellContext]) -> DifferentialResult:
     seeds += [None] * (p.differential_walks - len(seeds))
     best: dict[tuple, dict] = {}
     for planned in seeds:
-        if time.perf_counter() - t0 > p.phase_budget_s:
-            result.notes.append(f"stopped by the time budget after {result.walks} of "
+        if time.perf_counter() - t0 > p.safety_cap_s:
+            result.notes.append(f"incomplete: stopped by the wall-clock safety cap "
+                                f"({p.safety_cap_s:.0f} s) after {result.walks} of "
                                 f"{len(seeds)} walks")
             break
         result.walks += 1

@@ -12,13 +12,13 @@ from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
+
+from shim_adapters.backends.spec import BackendSpec
 from shim_adapters.conformance.generate import valid_strings
 from shim_adapters.errors import ForbiddenTokenError
 from shim_adapters.grammars.grammar import builtin_grammar
 from shim_adapters.mask.protocol import Masker, MaskerState, StateFeatures, Tokenizations
 from shim_adapters.mask.vocab import Vocabulary
-
-from shim_adapters.backends.spec import BackendSpec
 
 #: The defects that can be injected.
 FAULTS = {

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from shim_adapters.conformance.prefix import prefix_checker
 from shim_adapters.conformance.report import Repro
@@ -165,9 +165,99 @@ def _adds_del_or_c1(r: Repro) -> bool:
     return any(0x7F <= ord(c) <= 0x9F for c in (r.added_text or ""))
 
 
-def _is_partial_utf8_text(token_text: str | None) -> bool:
+def _is_bytes_display(token_text: str | None) -> bool:
     """Repros show a token whose bytes are not valid UTF-8 as a bytes literal."""
     return bool(token_text) and token_text[:2] in ("b'", 'b"') and "\\x" in token_text
+
+
+def _tok(r: Repro) -> str | None:
+    """The token's own text, compared as bytes: None for a token whose bytes are not whole
+    UTF-8 characters (its display ``b'\\xed'`` is no text of the token)."""
+    if r.token_hex is not None:
+        return r.token_str
+    return None if _is_bytes_display(r.token_text) else r.token_text
+
+
+def _is_partial_utf8_token(r: Repro) -> bool:
+    """The token's bytes are not whole UTF-8 characters (a byte-level or byte-fallback piece)."""
+    if r.token_hex is not None:
+        return bool(r.token_bytes) and r.token_str is None
+    return _is_bytes_display(r.token_text)
+
+
+def _string_owner(text: str) -> tuple[str | None, bool] | None:
+    """Where ``text`` (a JSON prefix) ends when it ends inside a string value: (the key of
+    the member whose value it is, whether it is an item of that member's array). None when
+    it ends outside a string or inside a key."""
+    stack: list[list] = []  # [container, current key, expecting a key]
+    inside = escaped = False
+    buf: list[str] = []
+    last_string = None
+    for ch in text:
+        if inside:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                inside = False
+                last_string = "".join(buf)
+                if stack and stack[-1][0] == "{" and stack[-1][2]:
+                    stack[-1][1], stack[-1][2] = last_string, False
+                continue
+            buf.append(ch)
+            continue
+        if ch == '"':
+            inside, buf = True, []
+        elif ch in "{[":
+            stack.append([ch, None, ch == "{"])
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+        elif ch == "," and stack and stack[-1][0] == "{":
+            stack[-1][2] = True
+    if not inside or not stack:
+        return None
+    top = stack[-1]
+    if top[0] == "{":
+        return None if top[2] else (top[1], False)
+    parent = stack[-2] if len(stack) > 1 else None
+    return (parent[1] if parent and parent[0] == "{" else None, True)
+
+
+def _in_string_with(keyword: str, grammar: "Grammar | None", text: str) -> bool:
+    """Whether ``text`` ends inside a string value that the schema bounds by ``keyword``
+    (the member's schema, or its array's ``items`` schema, has it)."""
+    schema = _schema(grammar) if grammar is not None else None
+    owner = _string_owner(text)
+    if schema is None or owner is None:
+        return False
+    key, item = owner
+    for node in _walk_schema(schema):
+        props = node.get("properties")
+        if not isinstance(props, dict) or key not in props or not isinstance(props[key], dict):
+            continue
+        sub = props[key].get("items") if item else props[key]
+        if isinstance(sub, dict) and keyword in sub:
+            return True
+    return False
+
+
+def _escape_in_max_length_string(r: Repro, g: "Grammar | None") -> bool:
+    """The refused token writes a backslash (its bytes, not its display) inside a string
+    value that the schema bounds by ``maxLength``."""
+    text = _tok(r)
+    if not _is_schema_repro(r) or not text or "\\" not in text:
+        return False
+    return _in_string_with("maxLength", g, r.prefix_text + text[:text.index("\\")])
+
+
+def _ends_complete_json(prefix: str) -> bool:
+    try:
+        json.loads(prefix)
+    except ValueError:
+        return False
+    return True
 
 
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
@@ -182,8 +272,7 @@ def _only_bound_violations(r: Repro, grammar: Grammar | None) -> bool:
     if r.token_id is not None:
         # A token the schema refuses (an integer past its bound, ended by the token) that
         # the same schema without integer bounds takes.
-        text = r.prefix_text + (r.added_text if r.added_text is not None else
-                                r.token_text or "")
+        text = r.prefix_text + (r.added_text if r.added_text is not None else _tok(r) or "")
         return _without_integer_bounds(json.dumps(schema, sort_keys=True)).viable(text)
     try:
         value = json.loads(r.prefix_text)
@@ -213,6 +302,22 @@ def _without_integer_bounds(schema_text: str):
 
 _PLUGIN_FIX = "the plugins' maskers allow every such token that can still complete a character"
 
+def _trailing_whitespace_bug(backend: str, version: str, who: str, tokens: str) -> KnownBug:
+    return KnownBug(
+        id=f"{'outlines-core' if backend == 'outlines' else backend}-schema-trailing-"
+           "whitespace-refused", backend=backend, versions=(version,),
+        check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
+        summary=f"{who} ends with the top-level value: whitespace after it, which RFC 8259 "
+                "allows (JSON-text = ws value ws), is refused",
+        repro=f"person.json / note.json, shipped tokenizer: after a complete object such as "
+              f"'{{\"title\":\"a\",\"tags\":[]}}' the tokens {tokens} are refused",
+        matches=lambda r, g: _is_schema_repro(r) and _ends_complete_json(r.prefix_text)
+        and bool(_tok(r)) and not (_tok(r) or "x").strip(" \t\n\r"),
+        applies_to=lambda g: g.format == "json_schema",
+        probe=Probe(at=lambda s: [len(s)], token=lambda t: t in ("\n", " ", "\t"),
+                    shows_when_allowed=False))
+
+
 #: Found by the full profile (conformance/reports/), all on JSON schemas, and our own plugins'
 #: partial-UTF-8 refusal found by the exhaustive mask check.
 KNOWN_BUGS: tuple[KnownBug, ...] = (
@@ -222,15 +327,14 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         summary="XGrammar refuses escape sequences in JSON-schema strings with maxLength",
         repro="person.json, GPT-2: after '{\"name\":\"' the token '\\' (59) is refused "
               "though '{\"name\":\"\\n\",\"age\":7,\"role\":\"user\"}' is valid",
-        matches=lambda r, g: _is_schema_repro(r) and "\\" in (r.token_text or "")
-        and (_inside_json_string(r.prefix_text) or '"' in (r.token_text or "")),
+        matches=_escape_in_max_length_string,
         applies_to=_schema_has(lambda n: n.get("type") == "string" and "maxLength" in n)),
     KnownBug(
         id="xgrammar-schema-escapes-refused-edge", backend="xgrammar", versions=("0.2.9",),
         check="tokenizer_edges", kinds=("refused_leading_space", "refused_multi_terminal"),
         summary="the same escape refusal, seen on leading-space / multi-terminal tokens",
         repro="person.json, Qwen2.5: token ' \"\\\"' (15898) refused after '{\"name\":'",
-        matches=lambda r, g: _is_schema_repro(r) and "\\" in (r.token_text or ""),
+        matches=_escape_in_max_length_string,
         applies_to=_schema_has(lambda n: n.get("type") == "string" and "maxLength" in n),
         expect_reproduced=False),
     KnownBug(
@@ -281,7 +385,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         repro="person.json, shipped tokenizer: after '{\"name\": \" n_\\' the token 'u' is "
               "refused though '{\"name\":\"\\u0001\",\"age\":0,\"role\":\"user\"}' is valid",
         matches=lambda r, g: _is_schema_repro(r)
-        and _starts_unicode_escape(r.prefix_text, r.added_text or r.token_text or ""),
+        and _starts_unicode_escape(r.prefix_text, r.added_text or _tok(r) or ""),
         applies_to=_schema_has(lambda n: n.get("type") == "string" and "enum" not in n
                                and "pattern" not in n),
         expect_reproduced=False),
@@ -295,7 +399,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         repro="person.json, GPT-2: after '{' the token '\\n' (198) is refused; shipped "
               "tokenizer: after '{' the tokens '\\t' (198), '\\r' (202), '  ' (486)",
         matches=lambda r, g: _is_schema_repro(r) and _json_whitespace_beyond_one_space(
-            _outside_strings(r.prefix_text, r.added_text or r.token_text or "")),
+            _outside_strings(r.prefix_text, r.added_text or _tok(r) or "")),
         applies_to=_schema_has(lambda n: n.get("type") == "object"),
         probe=Probe(at=lambda s: [i for i in range(1, len(s)) if s[i - 1] in "{,"
                                   and not _inside_json_string(s[:i])],
@@ -306,11 +410,13 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         check="tokenizer_edges", kinds=("refused_multi_terminal", "refused_leading_space"),
         summary="the same whitespace restriction, seen on multi-terminal tokens such as '{\\n'",
         repro="person.json, Qwen2.5: token '{\\n' (515) refused at the start",
-        matches=lambda r, g: _is_schema_repro(r) and "\n" in (r.token_text or ""),
+        matches=lambda r, g: _is_schema_repro(r) and "\n" in (_tok(r) or ""),
         applies_to=_schema_has(lambda n: n.get("type") == "object"),
         expect_reproduced=False),
-
-
+    _trailing_whitespace_bug("xgrammar", "0.2.9", "XGrammar's JSON-schema grammar",
+                             "'\\n', '\\t' and '\\r'"),
+    _trailing_whitespace_bug("outlines", "outlines_core 0.2.14",
+                             "outlines_core's schema-to-regex", "' ', '\\t' and '\\r'"),
     KnownBug(
         id="outlines-core-regex-leaves-final-state", backend="outlines",
         versions=("outlines_core 0.2.14",),
@@ -321,7 +427,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         repro="semver.regex, shipped tokenizer: after '7.3' the token '-' is refused though "
               "'7.3-rc1' matches",
         matches=lambda r, g: g is not None and g.format == "regex"
-        and _passes_final_state(g.text, r.prefix_text, r.token_text or ""),
+        and _passes_final_state(g.text, r.prefix_text, _tok(r) or ""),
         applies_to=lambda g: g.format == "regex" and "?" in g.text, expect_reproduced=False),
 )
 
@@ -347,7 +453,7 @@ def _partial_utf8_bug(backend: str, version: str) -> KnownBug:
                 f"strings where the upstream processor allows them; {_PLUGIN_FIX}",
         repro="json, mistral-v1: after '[\"' the byte token <0xE4> is refused though "
               "'[\"中\"]' is valid",
-        matches=lambda r, g: _is_partial_utf8_text(r.token_text)
+        matches=lambda r, g: _is_partial_utf8_token(r)
         and _inside_json_string(r.prefix_text) and not _adds_del_or_c1(r),
         applies_to=lambda g: g.format == "json_schema" or g.name.startswith("json"),
         expect_reproduced=False)
@@ -373,7 +479,7 @@ WORKED_AROUND: tuple[KnownBug, ...] = (
         repro="schema conformance/grammars/person.json, GPT-2: after '{\"name\":\"/' the "
               "tokens '\\x1f' (219) and '\\t' (197) are allowed",
         matches=lambda r, g: _is_schema_repro(r) and _inside_json_string(r.prefix_text)
-        and any(ord(c) < 0x20 for c in (r.token_text or "")),
+        and any(ord(c) < 0x20 for c in (_tok(r) or "")),
         applies_to=_schema_has(lambda n: n.get("type") == "string" and "enum" not in n
                                and "pattern" not in n),
         probe=Probe(at=lambda s: [i for i in range(1, len(s)) if s[i - 1] == '"'
@@ -389,10 +495,12 @@ def known_bugs() -> tuple[KnownBug, ...]:
 def match_known_bug(repro: Repro, backend_version: str, grammar: Grammar | None = None
                     ) -> str | None:
     """The id of the known bug ``repro`` (found on ``grammar``) is an instance of, or None."""
+    if grammar is None:
+        return None  # the construct a bug needs must be seen in the grammar
     for bug in known_bugs():
         if (_base(repro.backend) == bug.backend and backend_version in bug.versions
                 and bug.check == repro.check and repro.kind in bug.kinds
-                and bug.matches(repro, grammar)):
+                and bug.applies_to(grammar) and bug.matches(repro, grammar)):
             return bug.id
     return None
 
@@ -409,6 +517,24 @@ def known_bug(bug_id: str) -> KnownBug:
         if bug.id == bug_id:
             return bug
     raise KeyError(f"no known bug {bug_id!r}")
+
+
+def check_known_ids(ids: "Sequence[str] | str | None") -> tuple[str, ...]:
+    """Known bug ids a user acknowledges, checked: an unknown id is a usage error that names
+    the ids there are (a typo must not silently accept nothing)."""
+    if not ids:
+        return ()
+    items = [i.strip() for i in (ids.split(",") if isinstance(ids, str) else ids) if i.strip()]
+    every = [b.id for b in known_bugs()]
+    unknown = [i for i in items if i not in every]
+    if unknown:
+        raise UnknownKnownBugError(f"no known bug {', '.join(map(repr, unknown))}; known bugs: "
+                                   f"{', '.join(every)}")
+    return tuple(dict.fromkeys(items))
+
+
+class UnknownKnownBugError(ValueError):
+    """``--accept-known`` named an id that is not a known bug."""
 
 
 def _base(backend: str) -> str:

@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
+from shim_adapters.conformance.grammar_analysis import analyse_lark, lark_text_of
 from shim_adapters.conformance.schema_reference import schema_lark
 from shim_adapters.errors import GrammarError, UnsupportedGrammarError
 from shim_adapters.grammars.grammar import Grammar, builtin_grammar
-
-from shim_adapters.conformance.grammar_analysis import analyse_lark, lark_text_of
 
 
 class PrefixChecker(Protocol):

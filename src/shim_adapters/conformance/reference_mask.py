@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from shim_adapters.mask.vocab import Vocabulary, decode_prefix
 
 from shim_adapters.conformance.prefix import LarkPrefixChecker, PrefixUndecided, RegexPrefixChecker
+from shim_adapters.mask.vocab import Vocabulary, decode_prefix
 
 VIABLE, DEAD, UNDECIDED, SKIPPED, NOT_TEXT = 1, 0, -1, -2, -3
 

@@ -76,6 +76,24 @@ class Repro:
     #: The characters the token completes (with the prefix's unfinished UTF-8 bytes), when
     #: they decode: what a byte token inside a character really adds.
     added_text: str | None = None
+    #: The token's own output bytes, hex: what known bugs are matched on (a byte token's
+    #: display text ``b'\\xed'`` holds a backslash its bytes do not).
+    token_hex: str | None = None
+
+    @property
+    def token_bytes(self) -> bytes | None:
+        return None if self.token_hex is None else bytes.fromhex(self.token_hex)
+
+    @property
+    def token_str(self) -> str | None:
+        """The token's bytes as text, None when they are not whole UTF-8 characters."""
+        data = self.token_bytes
+        if data is None:
+            return None
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return None
 
     def one_line(self) -> str:
         tok = "EOS" if self.token_id is None else f"{self.token_id} {self.token_text!r}"
@@ -237,12 +255,12 @@ class CellResult:
                 out[name] = "failed" if self.stale_known_bugs else "passed"
                 continue
             ran = [self.checks[c] for c in checks if c in self.checks
-                   and not self.checks[c].not_run and not self.checks[c].error]
+                   and not self.checks[c].not_run]
             if any(c.failed or c.unaccepted_known(accepted) for c in ran):
                 out[name] = "failed"
-            elif not ran:
+            elif not [c for c in ran if not c.error]:
                 out[name] = "not run"
-            elif any(c.incomplete for c in ran):
+            elif any(c.incomplete or c.error for c in ran):
                 out[name] = "incomplete"
             else:
                 out[name] = "passed"

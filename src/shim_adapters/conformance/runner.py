@@ -12,7 +12,15 @@ from typing import Callable, Iterable, Sequence
 
 from shim_adapters.backends.registry import backends as installed_backends
 from shim_adapters.backends.registry import get_backend
+from shim_adapters.backends.spec import BackendSpec
+from shim_adapters.conformance.cell_log import CellLog
+from shim_adapters.conformance.checks import CellContext, replay_known_bug, run_cell_checks
+from shim_adapters.conformance.differential import differential
+from shim_adapters.conformance.gamma import gamma_check
+from shim_adapters.conformance.known_bugs import check_known_ids, expected_known_bugs, known_bug
+from shim_adapters.conformance.prefix import prefix_checker
 from shim_adapters.conformance.profiles import Profile, get_profile
+from shim_adapters.conformance.report import CellResult, CheckResult, Report, parse_fail_on
 from shim_adapters.errors import ShimError, UnsupportedGrammarError
 from shim_adapters.grammars.grammar import Grammar, load_grammar
 from shim_adapters.lm.loading import SMOLLM2_SPEC, load_lm
@@ -23,15 +31,6 @@ from shim_adapters.mask.tokenizers_offline import (
     offline_logits_width,
 )
 from shim_adapters.mask.vocab import Vocabulary
-
-from shim_adapters.backends.spec import BackendSpec
-from shim_adapters.conformance.cell_log import CellLog
-from shim_adapters.conformance.checks import CellContext, replay_known_bug, run_cell_checks
-from shim_adapters.conformance.differential import differential
-from shim_adapters.conformance.gamma import gamma_check
-from shim_adapters.conformance.known_bugs import expected_known_bugs
-from shim_adapters.conformance.prefix import prefix_checker
-from shim_adapters.conformance.report import CellResult, CheckResult, Report, parse_fail_on
 
 #: Tokenizer names meaning "the shipped LM's tokenizer".
 SHIPPED_TOKENIZER_NAMES = ("default", "shipped")
@@ -80,16 +79,8 @@ def resolve_tokenizer(spec, logits_width: int | None = None, eos: str | int | No
 
 
 def _resolve_grammar(spec) -> Grammar:
-    """A Grammar; a ``.regex`` file means its content without the final newline (an editor
-    adds one; a pattern that needs a trailing newline writes ``\\n``)."""
-    if isinstance(spec, Grammar):
-        return spec
-    grammar = load_grammar(spec)
-    if grammar.format == "regex" and grammar.text.endswith("\n"):
-        text = grammar.text[:-2] if grammar.text.endswith("\r\n") else grammar.text[:-1]
-        grammar = Grammar(text=text, format="regex", name=grammar.name,
-                          default_prompt=grammar.default_prompt)
-    return grammar
+    """A Grammar (``load_grammar`` reads a ``.regex`` file without its final newline)."""
+    return spec if isinstance(spec, Grammar) else load_grammar(spec)
 
 
 def _resolve_backend(spec) -> BackendSpec:
@@ -154,17 +145,13 @@ def run_cell(cell: CellResult, ctx: CellContext, tok: ResolvedTokenizer, *, cont
         try:
             cell.checks["gamma"] = gamma_check(ctx, controller=controller,
                                                controller_dir=controller_dir, lm=tok.lm)
-        except Exception as exc:  # noqa: BLE001
-            res = CheckResult("gamma")
-            res.failed += 1
-            res.notes.append(f"{type(exc).__name__}: {exc}")
-            cell.checks["gamma"] = res
+        except Exception as exc:  # noqa: BLE001 - the γ check crashed: an error, no verdict
+            cell.checks["gamma"] = CheckResult("gamma", error=f"{type(exc).__name__}: {exc}")
     else:
         cell.checks["gamma"] = CheckResult("gamma", not_run="disabled for this run")
     for note in ctx.notes:
         cell.checks["soundness"].notes.append(note)
-    seen = {r.known_bug for c in cell.checks.values() for r in c.failures if r.known_bug}
-    seen |= {bug for c in cell.checks.values() for bug in c.info.get("known_bugs_seen", ())}
+    seen = {bug for c in cell.checks.values() for bug in c.known}
     cell.stale_known_bugs = []
     for bug in expected_known_bugs(ctx.masker.backend_name, ctx.masker.backend_version,
                                    ctx.grammar):
@@ -173,6 +160,9 @@ def run_cell(cell: CellResult, ctx: CellContext, tok: ResolvedTokenizer, *, cont
         shows, where = replay_known_bug(ctx, bug)
         if shows:
             cell.replayed_known_bugs[bug] = where
+            # Met by its probe: it fails its class like a bug met by the sampled checks.
+            check = cell.checks.setdefault(known_bug(bug).check, CheckResult(known_bug(bug).check))
+            check.add_known(bug)
         else:
             cell.stale_known_bugs.append(bug)
             if shows is False:
@@ -186,7 +176,7 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
                     logits_width: int | None = None, seed: int | None = None,
                     controller_dir: str | Path | None = None, gamma: bool = True,
                     eos: str | int | None = None, fail_on=None,
-                    **profile_overrides) -> Report:
+                    accept_known: Sequence[str] = (), **profile_overrides) -> Report:
     """Conformance of one backend for one tokenizer and grammar.
 
     ``backend``: a registered backend name (or BackendSpec). ``tokenizer``: ``default`` (the
@@ -200,6 +190,8 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
     ``eos``: EOS token (text or id) for a tokenizer whose files name none. ``fail_on``:
     the failure classes that make ``report.exit_code`` non-zero (default: soundness,
     completeness, dead-ends, errors, control-tokens; see :data:`.report.FAILURE_CLASSES`).
+    ``accept_known``: ids of known bugs the caller acknowledges; any other known bug that
+    applies to the grammar and shows fails its class (the report lists both).
     The cell was asked for, so a backend that cannot compile the grammar is an error here.
     Returns a :class:`Report`; ``report.exit_code`` is the OR of the failing classes' bits.
     """
@@ -207,7 +199,8 @@ def run_conformance(backend, tokenizer, grammar, profile: "str | Profile" = "fas
         profile_overrides["seed"] = seed
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
-    report = Report(profile=prof.name, meta=_meta(prof), fail_on=parse_fail_on(fail_on))
+    report = Report(profile=prof.name, meta=_meta(prof), fail_on=parse_fail_on(fail_on),
+                    accept_known=check_known_ids(accept_known))
     tok = resolve_tokenizer(tokenizer, logits_width, eos=eos)
     spec = _resolve_backend(backend)
     gram = _resolve_grammar(grammar)
@@ -254,7 +247,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
                progress: Callable[[str], None] | None = print,
                checkpoint: Callable[[Report], None] | None = None, fail_on=None,
                log: CellLog | None = None, rerun: Sequence[str] = (),
-               run_missing: bool = True, **profile_overrides) -> Report:
+               run_missing: bool = True, accept_known: Sequence[str] = (),
+               **profile_overrides) -> Report:
     """Every backend x tokenizer x grammar, then the differential check per tokenizer x grammar.
 
     ``checkpoint(report)`` is called after each tokenizer x grammar (e.g. to write a partial
@@ -269,7 +263,8 @@ def run_matrix(backends: Sequence[str] | None = None, tokenizers: Iterable = ("d
     """
     prof = get_profile(profile, **profile_overrides)
     t0 = time.perf_counter()
-    report = Report(profile=prof.name, meta=_meta(prof), fail_on=parse_fail_on(fail_on))
+    report = Report(profile=prof.name, meta=_meta(prof), fail_on=parse_fail_on(fail_on),
+                    accept_known=check_known_ids(accept_known))
     names = list(backends) if backends else list(installed_backends())
     report.meta["backends"] = names
     say = progress or (lambda _msg: None)
@@ -436,11 +431,12 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                      log_path: str | Path | None = None, resume: bool = False,
                      import_reports: Sequence[tuple[str | Path, str]] = (),
                      rerun: Sequence[str] = (), run_missing: bool = True,
-                     **profile_overrides) -> Report:
+                     accept_known: Sequence[str] = (), **profile_overrides) -> Report:
     """Run the matrix a profile file describes (JSON: ``profile``, ``backends`` (null: all
     installed), ``tokenizers`` (names or ``{"name", "logits_width"}``), ``grammars`` (built-in
     names or paths relative to the file), ``exclude`` (cells with a reason), ``gamma``
-    (false: the γ check is reported as not run), ``fail_on``).
+    (false: the γ check is reported as not run), ``fail_on``, ``accept_known`` (known bug ids
+    the matrix acknowledges)).
 
     ``log_path``: a JSON-lines :class:`CellLog` each finished cell is appended to; with
     ``resume`` its finished cells are kept and only the rest run (a log written under other
@@ -467,7 +463,8 @@ def run_profile_file(path: str | Path, progress: Callable[[str], None] | None = 
                         exclude=spec.get("exclude", ()), progress=progress,
                         checkpoint=checkpoint,
                         fail_on=fail_on if fail_on is not None else spec.get("fail_on"),
-                        gamma=gamma, log=log, rerun=rerun, run_missing=run_missing)
+                        gamma=gamma, log=log, rerun=rerun, run_missing=run_missing,
+                        accept_known=tuple(spec.get("accept_known", ())) + tuple(accept_known))
     report.meta["profile_file"] = path.name
     if spec.get("description"):
         report.meta["description"] = spec["description"]

@@ -15,11 +15,11 @@ is not broken if it says so, but a declaration is a claim the suite checks, neve
 from __future__ import annotations
 
 import numpy as np
-from shim_adapters.mask.protocol import Tokenizations
-from shim_adapters.mask.vocab import decode_prefix
 
 from shim_adapters.conformance.prefix import PrefixUndecided
 from shim_adapters.conformance.reference_mask import _utf8_need, _witnesses
+from shim_adapters.mask.protocol import Tokenizations
+from shim_adapters.mask.vocab import decode_prefix
 
 
 def declared_tokenizations(masker) -> Tokenizations:

@@ -90,18 +90,20 @@ def json_string_guard(token_bytes: Sequence[bytes], words: int,
     """Raw control bytes inside JSON strings (XGrammar's JSON-schema grammars)."""
     skip = set(skip)
     tables: list[dict[int, int]] = [{}, {}, {}]
+    # A plain token keeps OUTSIDE and IN_STRING, and ends an escape (ESCAPED -> IN_STRING).
+    default = (OUTSIDE, IN_STRING, IN_STRING)
     for token_id, data in enumerate(token_bytes):
         if token_id in skip or not data:
             continue
         if _QUOTE not in data and _BACKSLASH not in data and min(data) >= 0x20:
-            continue  # plain text: the state stays, nothing refused
+            continue  # plain text: every state goes to its default, nothing refused
         for lex in (OUTSIDE, IN_STRING, ESCAPED):
             after = scan_json(data, lex)
-            if after != lex:
+            if after != default[lex]:
                 tables[lex][token_id] = after
     return ByteGuard("json-string-controls",
                      "put a raw control character inside a JSON string, which JSON forbids",
-                     3, (OUTSIDE, IN_STRING, ESCAPED), tables, words)
+                     3, default, tables, words)
 
 
 def surrogate_guard(token_bytes: Sequence[bytes], words: int,
