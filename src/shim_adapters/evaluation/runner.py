@@ -291,7 +291,10 @@ def given_controllers(case: EvalCase, lm, spec, methods: list[str], opts: EvalOp
                                                    output_dir=directory)
             controllers[name], manifests[name] = controller, manifest
             info[name] = {"fitted_on_prompts": len(opts.fit_prompts),
-                          "fit_seconds": time.perf_counter() - t0}
+                          "fit_seconds": time.perf_counter() - t0,
+                          "training_samples": manifest["training"].get("lm_samples_total"),
+                          "training_sample_seconds": float(
+                              manifest["training"].get("data_sample_seconds") or 0.0)}
             _log(progress, f"  {name}: fitted on {len(opts.fit_prompts)} prompts in "
                            f"{info[name]['fit_seconds']:.1f}s ({controller.decision_})")
     prompting = [m.get("training", {}).get("prompting", {}) for m in manifests.values()]
