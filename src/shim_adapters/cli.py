@@ -110,9 +110,10 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def backends_command(as_json: bool) -> None:
     """List installed masker backends, their versions and the state features each exposes."""
-    from shim_adapters.backends.registry import backends
+    from shim_adapters.backends.registry import backends, broken_plugins
 
     found = backends()
+    broken = broken_plugins()
     rows = []
     for spec in found.values():
         # One row per group of formats sharing a feature status (shim-outlines compiles
@@ -126,8 +127,12 @@ def backends_command(as_json: bool) -> None:
                          **dict(zip(FEATURE_NAMES, values)),
                          "description": spec.description})
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps(rows + [{"backend": name, "broken": error}
+                                      for name, error in broken.items()], indent=2))
         return
+    for name, error in broken.items():
+        click.echo(f"broken plugin {name}: failed to import ({error}); the others work",
+                   err=True)
     if not rows:
         click.echo("no backends installed (pip install -e plugins/shim-syncode, ...)")
         return
