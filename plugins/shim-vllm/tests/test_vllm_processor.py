@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import shim_vllm.processor as processor_module
 from shim_vllm.binding import ControllerBindings
 from shim_vllm.processor import VllmShimLogitsProcessor
 from shim_vllm.request_args import ShimRequestError, parse_request_args
@@ -327,6 +328,21 @@ def test_an_artefact_damaged_after_admission_stops_only_its_request(processor, b
     assert "sha256" in caplog.text and "batch row 0" in caplog.text
     assert only_token(out[0]) == [processor.rows[0].stop_token_id]
     same_distribution(out[1:], expected_rows(processor.rows[1].bound, [[]], logits[1:]))
+
+
+def test_a_step_failure_stops_the_steps_shim_requests_not_the_engine(processor, binary5_dir,
+                                                                      monkeypatch):
+    add(processor, 2, (0, shim_params(binary5_dir), []), (1, SamplingParams(), []))
+
+    def broken(logits, rows):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(processor_module, "apply_rows_failing_closed", broken)
+    logits = torch.randn(2, processor.bindings.vocab_size)
+    out = processor.apply(logits.clone())
+    assert only_token(out[0]) == [processor.rows[0].stop_token_id]
+    assert torch.equal(out[1], logits[1])
+    assert "scoring failed" in processor.rows[0].fault.error
 
 
 def test_finished_row_allows_only_eos(processor, binary5_dir):

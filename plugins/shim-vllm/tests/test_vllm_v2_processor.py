@@ -393,3 +393,20 @@ def test_a_controller_that_raises_stops_only_its_requests(processor, binary5_dir
     assert torch.isfinite(out[0]).sum() == 1 and processor.slots[0].fault is not None
     assert "controller exploded" in processor.slots[0].fault.error
     close(out[1:], expected(bv, [[]], logits[1:]))
+
+
+def test_a_step_failure_stops_the_steps_shim_requests_not_the_engine(processor, binary5_dir,
+                                                                      monkeypatch):
+    engine = processor.runner
+    engine.add(processor, 0, shim_params(binary5_dir))
+    engine.add(processor, 1, SamplingParams())
+
+    def broken(slots):
+        raise RuntimeError("device gather failed")
+
+    monkeypatch.setattr(processor, "_sync", broken)
+    logits = torch.randn(2, engine.vocab_size)
+    out = processor.apply(logits.clone(), engine.ctx([(0, []), (1, [])]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [processor.slots[0].stop_token_id]
+    assert out[1].equal(logits[1])
+    assert "device gather failed" in processor.slots[0].fault.error

@@ -37,7 +37,7 @@ from vllm.v1.sample.logits_processor import (BatchUpdate, LogitsProcessor,
 from .admission import validate_shim_params
 from .binding import ControllerBindings
 from .engine import ServedEngine
-from .faults import RequestFault, report, stop_token_of
+from .faults import RequestFault, report, stop_row, stop_token_of
 from .request_args import parse_request_args
 from .rows import RequestRow, apply_rows_failing_closed
 
@@ -119,4 +119,10 @@ class VllmShimLogitsProcessor(LogitsProcessor):
                           controller=str(controller))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return apply_rows_failing_closed(logits, self.rows)
+        try:
+            return apply_rows_failing_closed(logits, self.rows)
+        except Exception as exc:  # not one request's fault: stop this step's SHIM requests only
+            for index, row in self.rows.items():
+                row.fail(exc, f"batch row {index} (whole step)")
+                stop_row(logits, index, row.stop_token_id)
+            return logits

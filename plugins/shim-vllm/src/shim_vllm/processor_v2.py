@@ -121,6 +121,19 @@ class VllmShimLogitsProcessorV2(LogitsProcessor):
         batch_slots = ctx.idx_mapping_np
         if not self.is_shim[batch_slots].any():
             return logits
+        try:
+            return self._apply(logits, ctx)
+        except Exception as exc:  # not one request's fault: stop this step's SHIM requests only
+            row_slots = (batch_slots.tolist() if int(logits.shape[0]) == len(batch_slots)
+                         else ctx.expanded_idx_mapping.tolist())
+            for row, slot in enumerate(row_slots):
+                if self.is_shim[slot]:
+                    self.slots[slot].fail(exc, f"slot {slot} (row {row}, whole step)")
+                    stop_row(logits, row, self.slots[slot].stop_token_id)
+            return logits
+
+    def _apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        batch_slots = ctx.idx_mapping_np
         num_rows = int(logits.shape[0])
         if num_rows == len(batch_slots):  # one row per request, in batch order: no drafts
             row_slots = batch_slots.tolist()
