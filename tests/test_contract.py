@@ -78,3 +78,28 @@ def test_run_contract_reports_outcomes_per_check_and_grammar():
 def test_contract_tokenizer_has_padding():
     tokenizer, width = contract_tokenizer()
     assert width > len(tokenizer)
+
+
+def test_registration_check_uses_a_grammar_format_the_plugin_declares(example_plugin):
+    """The registration check compiles a grammar of a format the plugin declares (it used to
+    compile a Lark built-in and fail every plugin without Lark)."""
+    from shim_adapters.conformance.contract import contract_grammars
+
+    names = contract_grammars("choices")
+    assert names and all(n.startswith("regex:") for n in names), names
+
+
+def test_a_plugin_names_its_own_contract_grammars(example_plugin, tmp_path, monkeypatch):
+    """A backend that takes only some grammars of its format (the example: literal choices)
+    runs the whole contract, both entry points, on grammar files it names."""
+    from shim_adapters.conformance.contract import GRAMMARS_ENV_VAR, main
+
+    grammar = tmp_path / "answers.regex"
+    grammar.write_text("yes|no|maybe\n")
+    monkeypatch.setenv(GRAMMARS_ENV_VAR, str(grammar))
+    test_backend_registration("choices")
+    outcomes = run_contract("choices")
+    assert outcomes and {o.grammar for o in outcomes} == {str(grammar)}
+    assert all(o.ok for o in outcomes), [o.message for o in outcomes if not o.ok]
+    monkeypatch.delenv(GRAMMARS_ENV_VAR)
+    assert main(["choices", "--grammar", str(grammar)]) == 0

@@ -97,4 +97,15 @@ def load_grammar(spec: str | Path, format: str | None = None) -> Grammar:
     if fmt is None:
         raise GrammarError(f"cannot tell the grammar format from suffix {path.suffix!r}; pass "
                            f"format= one of {', '.join(GRAMMAR_FORMATS)}", grammar_name=str(path))
-    return Grammar(text=path.read_text(), format=fmt, name=path.name)
+    text = path.read_text()
+    if fmt == "regex":
+        text = _without_final_newline(text)
+    return Grammar(text=text, format=fmt, name=path.name)
+
+
+def _without_final_newline(text: str) -> str:
+    """A ``.regex`` file means its content without the final newline: an editor adds one, and
+    a pattern that needs a trailing newline writes ``\\n``. Every command reads it this way."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text[:-1] if text.endswith("\n") else text

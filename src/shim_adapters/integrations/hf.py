@@ -39,21 +39,26 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Tuple, Union
 
 import torch
+
 from shim_adapters.errors import (
     DeadEndError,
-    GrammarError,
     ManifestMismatchError,
     ShimError,
     VocabMismatchError,
 )
-from shim_adapters.grammars.grammar import BUILTIN_GRAMMARS, Grammar, builtin_grammar
+from shim_adapters.grammars.grammar import Grammar
 from shim_adapters.lm.generation import MaskedLogitsProcessor
 from shim_adapters.lm.loading import _WEIGHT_SUFFIXES, _content_hash
 from shim_adapters.mask.bitmask import bitmask_to_bool
 from shim_adapters.mask.protocol import Masker, MaskerState
 from shim_adapters.mask.utf8 import incomplete_tail, utf8_prefix_ok
 from shim_adapters.mask.vocab import Vocabulary
-from shim_adapters.shim.artefact import check_manifest, load_controller, read_manifest
+from shim_adapters.shim.artefact import (
+    check_manifest,
+    fitted_grammar,
+    load_controller,
+    read_manifest,
+)
 from shim_adapters.shim.controller import Controller
 from shim_adapters.shim.correction import ShimAdjuster
 
@@ -111,18 +116,12 @@ def controller_manifest(controller: ControllerLike,
 
 
 def grammar_of_manifest(manifest: Mapping[str, Any], grammar: Grammar | None = None) -> Grammar:
-    """``grammar`` if given, else the built-in grammar the manifest names.
+    """``grammar`` if given, else the grammar the controller was fitted on
+    (:func:`~shim_adapters.shim.artefact.fitted_grammar`).
 
     Whichever it is, :func:`bind_controller` later checks its sha256 against the manifest.
     """
-    if grammar is not None:
-        return grammar
-    name = manifest.get("grammar_name")
-    if name in BUILTIN_GRAMMARS:
-        return builtin_grammar(name)
-    raise GrammarError(f"the controller was fitted for grammar {name!r}, which is not a "
-                       f"built-in grammar ({', '.join(BUILTIN_GRAMMARS)}): pass grammar= "
-                       f"(the same Grammar it was fitted on)", grammar_name=str(name))
+    return grammar if grammar is not None else fitted_grammar(manifest)
 
 
 def bind_controller(controller: ControllerLike, masker: Masker, *,

@@ -4,7 +4,7 @@ Data flows one way: masker state -> :mod:`.features` -> a controller (:mod:`.con
 predicts γ = P(the LM's continuation stays grammatical) -> :mod:`.correction` adds log γ to the
 masked logits (through the shared caches of :mod:`.gamma_cache` and :mod:`.masked_gamma`).
 Fitting runs the other way once per grammar: masked rollouts (:mod:`.training_data`) ->
-targets and importance weights (:mod:`.targets`, :mod:`.importance`) -> :mod:`.fitting` (the
+targets and importance weights (:mod:`.targets`) -> :mod:`.fitting` (the
 recipe: target choice, trust decision, top-ups) -> an artefact (:mod:`.artefact`,
 :mod:`.model_card`).
 
