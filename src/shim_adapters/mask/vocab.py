@@ -57,27 +57,26 @@ class Vocabulary:
 
     @cached_property
     def control_ids(self) -> frozenset[int]:
-        """Added tokens that are control tokens of a chat template but not flagged special.
+        """Every added token that is not flagged special: a control token, whatever its form.
 
-        Many recent tokenizers ship turn markers and tool/FIM tokens as plain added tokens;
-        they decode to text, yet a model reads them as control. An added, non-special token
-        counts as control when the chat template names it or it has the ``<|...|>`` form."""
-        import re
-
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if isinstance(template, dict):
-            template = " ".join(str(v) for v in template.values())
-        if isinstance(template, list):
-            template = " ".join(str(t.get("template", "")) for t in template
-                                if isinstance(t, dict))
-        ids = set()
-        for a in self._definition.get("added_tokens", []):
-            if a.get("special"):
-                continue
-            content = a.get("content", "")
-            if (content and content in template) or re.fullmatch(r"<\|[^|\s]+\|>", content):
-                ids.add(int(a["id"]))
+        Tokenizers ship turn markers, tool-call and fill-in-the-middle tokens as plain added
+        tokens, in any script (``<|im_start|>``, ``<｜User｜>`` with full-width bars,
+        ``<tool_call>``); they decode to text, yet a model reads them as control. None of them
+        may appear in output unless the grammar names it (:meth:`control_ids_for`)."""
+        ids = {int(a["id"]) for a in self._definition.get("added_tokens", [])
+               if not a.get("special") and a.get("content")}
         return frozenset(ids - self.special_ids)
+
+    def control_ids_for(self, grammar_text: str) -> frozenset[int]:
+        """:attr:`control_ids` less the tokens whose text the grammar names literally (as
+        written, or JSON-escaped as a schema writes it): those are output text there."""
+        named = set()
+        for a in self._definition.get("added_tokens", []):
+            content = a.get("content", "")
+            if int(a["id"]) in self.control_ids and content and (
+                    content in grammar_text or json.dumps(content)[1:-1] in grammar_text):
+                named.add(int(a["id"]))
+        return self.control_ids - named
 
     @cached_property
     def eos_ids(self) -> frozenset[int]:
