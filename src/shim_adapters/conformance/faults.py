@@ -45,6 +45,17 @@ FAULTS = {
                                  "wrong declaration on a canonical-in-forced-text backend)",
     "drops_schema_bounds": "a JSON schema is compiled without its bounds (minLength, maxLength, "
                            "minimum, maximum, minItems, maxItems; types and keys kept)",
+    # State-dependent defects a user's masker may have (the acceptance of the suite):
+    "refuse_at_depth": "from the fifth token on, the highest-id allowed text token is refused",
+    "unsound_rare": "at every fourth state (steps 3, 7, 11, ...) the highest-id text token the "
+                    "grammar refuses is allowed",
+    "eos_early": "EOS is allowed at step 3 (once, wherever the text is)",
+    "refuse_partial_utf8": "tokens whose bytes are not whole UTF-8 characters are refused",
+    "dead_end_deep": "from the fifth token on nothing is allowed, not even EOS",
+    "special_in_string": "inside a string or a word (the text so far ends inside a JSON "
+                         "string, or in a letter) the tokenizer's special and added tokens "
+                         "are allowed",
+    "refuse_escape": "inside a JSON string, tokens with a backslash are refused",
 }
 
 #: The JSON-schema keywords ``drops_schema_bounds`` removes.
@@ -88,12 +99,59 @@ class FaultyState(MaskerState):
             raise RuntimeError("injected crash in allowed_mask()")
         elif fault == "stuck_late" and self.inner.step >= 2:
             mask[:] = False
+        elif fault == "refuse_at_depth" and self.inner.step >= 5:
+            text = np.flatnonzero(mask[:self.masker.n_text] & self.masker.text_mask)
+            if len(text):
+                mask[text[-1]] = False
+        elif fault == "unsound_rare" and self.inner.step % 4 == 3:
+            refused = np.flatnonzero(~mask[:self.masker.n_text] & self.masker.text_mask)
+            if len(refused):
+                mask[refused[-1]] = True
+        elif fault == "eos_early" and self.inner.step == 3:
+            for e in self.masker.eos_token_ids:
+                mask[e] = True
+        elif fault == "refuse_partial_utf8":
+            mask[self.masker.partial_ids] = False
+        elif fault == "dead_end_deep" and self.inner.step >= 5:
+            mask[:] = False
+        elif fault == "special_in_string" and self._in_word_or_string():
+            mask[self.masker.special_and_added] = True
+        elif fault == "refuse_escape" and self._in_json_string():
+            mask[self.masker.backslash_ids] = False
         return mask
+
+    def _text(self) -> bytes:
+        return self.masker.vocab.to_bytes(self.inner.token_ids) or b""
+
+    def _in_json_string(self) -> bool:
+        inside = escaped = False
+        for b in self._text():
+            if escaped:
+                escaped = False
+            elif inside and b == 0x5C:
+                escaped = True
+            elif b == 0x22:
+                inside = not inside
+        return inside
+
+    def _in_word_or_string(self) -> bool:
+        text = self._text()
+        return self._in_json_string() or bool(text) and (chr(text[-1]).isalpha()
+                                                         or text[-1] >= 0x80)
 
     def eos_allowed(self) -> bool:
         if self.masker.fault == "eos_always" and not self.inner.is_finished:
             return True
+        if self.masker.fault == "eos_early" and self.inner.step == 3 and \
+                not self.inner.is_finished:
+            return True
+        if self.masker.fault == "special_in_string" and not self.inner.is_finished and \
+                any(e in self.masker.special_and_added for e in self.masker.eos_token_ids) \
+                and self._in_word_or_string():
+            return True
         if self.masker.fault == "stuck_late" and self.inner.step >= 2:
+            return False
+        if self.masker.fault == "dead_end_deep" and self.inner.step >= 5:
             return False
         return self.inner.eos_allowed()
 
@@ -111,8 +169,8 @@ class FaultyState(MaskerState):
             self._fake_finished = True  # EOS the wrapped masker refuses (eos_always)
             self._eos_token = token_id
             return
-        if fault in ("unsound_token", "unsound_late", "allow_control") and \
-                not self.inner.allowed_mask()[token_id]:
+        if fault in ("unsound_token", "unsound_late", "allow_control", "unsound_rare",
+                     "special_in_string") and not self.inner.allowed_mask()[token_id]:
             self._wrong = True  # the wrapped masker cannot follow; we stop here
             raise ForbiddenTokenError(token_id, self.masker.token_text(token_id), self.step,
                                       "injected unsound token cannot be followed")
@@ -171,7 +229,17 @@ class FaultyMasker(Masker):
         self.n_text = n
         self.text_mask = np.zeros(n, dtype=bool)
         self.control_ids = np.zeros(0, dtype=np.int64)
-        if fault in ("refuse_last_allowed", "unsound_late", "allow_control"):
+        self.vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
+        self.partial_ids = np.array([i for i in self.vocab.text_ids if i < n
+                                     and self.vocab.is_partial_utf8(int(i))], dtype=np.int64)
+        self.backslash_ids = np.array([i for i in self.vocab.text_ids if i < n
+                                       and b"\\" in self.vocab.token_bytes[int(i)]],
+                                      dtype=np.int64)
+        self.special_and_added = np.array(sorted(
+            (set(self.vocab.special_ids) | set(self.vocab.control_ids)) & set(range(n))),
+            dtype=np.int64)
+        if fault in ("refuse_last_allowed", "unsound_late", "allow_control", "refuse_at_depth",
+                     "unsound_rare"):
             vocab = Vocabulary(inner.tokenizer, inner.vocab_size)
             ids = vocab.text_ids[vocab.text_ids < n]
             self.text_mask[ids] = True
