@@ -111,3 +111,23 @@ def test_validate_output_marks_what_the_mask_let_through():
     assert not validate_output(GRAMMAR, '{"id": 3,').valid
     lark = validate_output(builtin_grammar("binary5"), "zzzzz")
     assert not lark.valid and "binary5" in lark.problems[0]
+
+
+def test_the_post_check_checks_format_and_lists_the_formats_it_can():
+    from shim_adapters.mask.capability import checked_formats, validate_output
+
+    assert {"date", "date-time", "email", "uuid"} <= set(checked_formats())
+    date = Grammar('{"type": "string", "format": "date"}', "json_schema", "date")
+    assert not validate_output(date, '"2022-02-31"').valid
+    assert validate_output(date, '"2022-02-28"').valid
+    stamp = Grammar('{"type": "string", "format": "date-time"}', "json_schema", "stamp")
+    assert not validate_output(stamp, '"2022-02-01T10:00:00"').valid  # no offset
+
+
+def test_non_integer_multiple_of_and_unlisted_members_are_their_own_constructs():
+    schema = {"type": "object", "properties": {"p": {"type": "number", "multipleOf": 0.01}}}
+    grammar = Grammar(json.dumps(schema), "json_schema", "price")
+    xgr = capability_report(grammar, get_backend("xgrammar")).by_construct()
+    assert xgr["multipleOf:non-integer"] is Support.POST_CHECK
+    assert xgr["additionalProperties:absent"] is Support.STRICTER
+    assert not validate_output(grammar, '{"p": 10000.001}').valid

@@ -8,6 +8,9 @@ therefore comes with a :class:`CapabilityReport` that says, per construct, wheth
 * ``lowered``: rewritten into an equivalent the backend enforces exactly (Lark -> EBNF ...);
 * ``post-check``: not enforced while generating, checked against the full schema afterwards
   (:func:`validate_output`) so violators are marked, never passed off as valid;
+* ``stricter``: enforced more strictly than JSON Schema: the mask refuses some valid
+  instances (never accepts an invalid one), e.g. XGrammar's ``strict_mode`` refusing members a
+  schema does not list where it says nothing about ``additionalProperties``;
 * ``rejected``: the backend cannot take it at all.
 
 Backends declare their JSON-schema support in their :class:`~shim_adapters.backends.spec.BackendSpec`
@@ -27,7 +30,6 @@ from typing import Any, Iterator, Mapping
 from shim_adapters.errors import ShimError, UnsupportedGrammarError
 from shim_adapters.grammars.convert import convert
 from shim_adapters.grammars.grammar import Grammar
-
 from shim_adapters.grammars.reference import reference_acceptor
 
 
@@ -36,6 +38,7 @@ class Support(str, Enum):
     LOWERED = "lowered"
     POST_CHECK = "post-check"
     REJECTED = "rejected"
+    STRICTER = "stricter"
 
 
 #: Keywords that describe but never constrain (JSON Schema 2020-12 annotations and containers).
@@ -60,6 +63,9 @@ def construct_name(keyword: str, value: Any) -> str:
             return f"{keyword}:lookaround"
         if _BACKREF.search(value):
             return f"{keyword}:backreference"
+    if keyword == "multipleOf" and isinstance(value, (int, float)) and \
+            not float(value).is_integer():
+        return "multipleOf:non-integer"  # backends enforce integer steps only, if at all
     return keyword
 
 
@@ -67,6 +73,9 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
     """(JSON pointer, construct) for every keyword of ``schema`` and its subschemas."""
     if not isinstance(schema, dict):
         return
+    if "properties" in schema and "additionalProperties" not in schema:
+        # JSON Schema allows members the schema does not list; a strict backend refuses them
+        yield pointer or "/", "additionalProperties:absent"
     for keyword, value in schema.items():
         where = f"{pointer}/{keyword}"
         if keyword == "patternProperties" and isinstance(value, dict):
@@ -106,8 +115,10 @@ class CapabilityReport:
 
     @property
     def enforced(self) -> bool:
-        """Every construct is enforced by the mask (exactly or lowered)."""
-        return all(e.support in (Support.EXACT, Support.LOWERED) for e in self.entries)
+        """Every construct is enforced by the mask (exactly, lowered, or more strictly: no
+        invalid output gets through the mask)."""
+        return all(e.support in (Support.EXACT, Support.LOWERED, Support.STRICTER)
+                   for e in self.entries)
 
     @property
     def rejected(self) -> tuple[ConstructReport, ...]:
@@ -234,8 +245,17 @@ class OutputCheck:
     problems: tuple[str, ...] = ()
 
 
+def checked_formats() -> tuple[str, ...]:
+    """The ``format`` values the post-check validates (jsonschema's FormatChecker with the
+    format libraries installed here); any other format is an annotation only."""
+    import jsonschema
+
+    return tuple(sorted(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers))
+
+
 def validate_output(grammar: Grammar, text: str) -> OutputCheck:
-    """Check ``text`` against the whole grammar/schema, not only what the mask enforced."""
+    """Check ``text`` against the whole grammar/schema, not only what the mask enforced;
+    ``format`` is checked for the formats :func:`checked_formats` lists."""
     if grammar.format == "json_schema":
         import jsonschema
 
@@ -243,7 +263,9 @@ def validate_output(grammar: Grammar, text: str) -> OutputCheck:
             value = json.loads(text)
         except ValueError as exc:
             return OutputCheck(False, (f"not JSON: {exc}",))
-        validator = jsonschema.Draft202012Validator(json.loads(grammar.text))
+        validator = jsonschema.Draft202012Validator(
+            json.loads(grammar.text),
+            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
         problems = tuple(f"{'/' + '/'.join(map(str, e.absolute_path))}: {e.message} "
                          f"({e.validator})" for e in validator.iter_errors(value))
         return OutputCheck(not problems, problems)
@@ -295,6 +317,9 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
      {"a": 1, "b": 2}, {"a": 1}),
     ("pattern:lookaround", {"type": "string", "pattern": "^(?!ab)[a-z]{2}$"}, "aa", "ab"),
     ("multipleOf", {"type": "integer", "multipleOf": 3}, 6, 4),
+    ("multipleOf:non-integer", {"type": "number", "multipleOf": 0.01}, 0.05, 10000.001),
+    ("additionalProperties:absent", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                     "required": ["a"]}, {"a": 1, "z": 2}, {"a": "x"}),
     ("minProperties", {"type": "object", "properties": {"a": {"type": "integer"},
                                                         "b": {"type": "integer"}},
                        "minProperties": 2, "additionalProperties": False},
@@ -331,6 +356,8 @@ def probe_schema_support(spec, tokenizer, vocab_size: int | None = None,
             found[construct] = Support.EXACT.value
         elif good_ok and bad_ok:
             found[construct] = Support.POST_CHECK.value
+        elif not bad_ok:
+            found[construct] = Support.STRICTER.value  # a valid instance refused, no invalid one
         else:
             found[construct] = "inconclusive: the satisfying instance is refused"
     return found

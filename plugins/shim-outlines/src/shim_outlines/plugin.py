@@ -29,7 +29,12 @@ _EXACT = ("type", "enum", "const", "properties", "required", "additionalProperti
 _POST_CHECK = ("minimum", "maximum", "multipleOf", "minProperties", "maxProperties", "not",
                "dependentRequired", "uniqueItems", "if", "then", "else", "oneOf")
 SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _POST_CHECK},
-                  "pattern:lookaround": "rejected"}
+                  "pattern:lookaround": "rejected",
+                  # measured: the probe's valid and invalid numbers are both refused
+                  "multipleOf:non-integer": "stricter",
+                  # outlines_core, like XGrammar's strict_mode, refuses members a schema does
+                  # not list where it says nothing about additionalProperties
+                  "additionalProperties:absent": "stricter"}
 
 
 def create_masker(grammar: Grammar, tokenizer, vocab_size: int | None = None,

@@ -15,7 +15,14 @@ _EXACT = ("type", "enum", "const", "properties", "required", "additionalProperti
           "minimum", "maximum", "multipleOf", "minProperties", "maxProperties")
 _POST_CHECK = ("not", "dependentRequired", "uniqueItems", "if", "then", "else",
                "pattern:lookaround", "oneOf")
-SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _POST_CHECK}}
+SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _POST_CHECK},
+                  # XGrammar enforces multipleOf on integers only ("multipleOf is not
+                  # supported for type:number; ignoring multipleOf"): 0.01 accepts 10000.001
+                  "multipleOf:non-integer": "post-check",
+                  # compile_json_schema's strict_mode (on by default, kept here) refuses members
+                  # a schema does not list where it says nothing about additionalProperties:
+                  # valid instances refused, never an invalid one accepted
+                  "additionalProperties:absent": "stricter"}
 
 
 @hookimpl
