@@ -1,4 +1,4 @@
-"""Exact distributions on binary5 (DESIGN.md section 1): masking distorts, SHIM corrects.
+"""Exact distributions on binary5 (docs/design.md): masking distorts, SHIM corrects.
 
 The shipped LM emits five roughly uniform bits; only two of the 17 strings start with ``0``,
 so masking gives them about half the mass. Every token path of the language is enumerated and

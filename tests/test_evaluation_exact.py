@@ -1,5 +1,5 @@
 """Exact scoring on the shipped LM: enumeration and teacher forcing agree, masking distorts
-binary5 as DESIGN.md section 1 says, rejection sampling returns only valid strings."""
+binary5 as docs/design.md says, rejection sampling returns only valid strings."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_enumeration_is_the_language_and_masking_is_a_distribution(language):
 
 def test_masking_distorts_binary5_as_in_the_design(language):
     """The shipped LM emits near-uniform bits: masking puts about 1/4 on each string starting
-    with 0 where the target puts about 1/17 (DESIGN.md section 1)."""
+    with 0 where the target puts about 1/17 (docs/design.md)."""
     target = grouped_probabilities(language.texts, language.target())
     masked = grouped_probabilities(language.texts, language.methods["masking"])
     for s in ("00100", "00010"):

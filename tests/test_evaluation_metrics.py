@@ -48,7 +48,7 @@ def _masked_uniform_bits(language: tuple[str, ...]) -> dict[str, float]:
 
 
 def test_binary5_masking_distortion_closed_form():
-    """DESIGN.md section 1: uniform bits, the 17-string language; masking gives each of the two
+    """docs/design.md: uniform bits, the 17-string language; masking gives each of the two
     strings that start with 0 probability 1/4 (first bit 0 w.p. 1/2, then one free choice)."""
     q = _masked_uniform_bits(BINARY5)
     assert q["00100"] == pytest.approx(0.25) and q["00010"] == pytest.approx(0.25)

@@ -170,7 +170,7 @@ def zero_share_masked_vs_target(lm: LoadedLM, prompt: str) -> tuple[float, float
 
 
 def test_masking_distorts_binary5_but_not_the_control_prompt(lm):
-    """DESIGN.md sections 1-2: uniform bits make masking over-weight the two strings starting
+    """docs/design.md: uniform bits make masking over-weight the two strings starting
     with 0 several-fold; the control prompt (mistakes not tied to earlier choices) does not."""
     masked, target = zero_share_masked_vs_target(lm, BUILTIN_GRAMMARS["binary5"].prompt)
     assert masked / target > 2.5, (masked, target)

@@ -329,7 +329,7 @@ def test_features_match_syncode_incremental_parser(backend, tokenizers):
     assert compared >= 20
 
 
-# ---- the pitfalls of DESIGN.md section 4 ------------------------------------------------------
+# ---- the pitfalls of docs/design.md ------------------------------------------------------
 def test_cache_key_distinguishes_tokenizers_of_same_class_and_size(backend, tmp_path,
                                                                  monkeypatch):
     from shim_syncode.compiled import cache_key

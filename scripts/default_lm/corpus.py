@@ -4,11 +4,11 @@ Each document is ``<prompt><output>`` (the trainer appends EOS). The prompts of 
 grammars are used verbatim, so the LM answers each built-in prompt in that grammar's language.
 
 The outputs put real mass on invalid text with realistic mistakes, and the chance of a mistake
-*later* in a string depends on choices made *early* (DESIGN.md section 2, "What a first
+*later* in a string depends on choices made *early* (docs/design.md, "What a first
 experiment here taught"): that is the regime where masking distorts and SHIM has work to do.
 
 - binary5: five uniform random bits, so 17/32 of the mass is valid and only two valid strings
-  start with ``0`` -- the distortion of DESIGN.md section 1.
+  start with ``0`` -- the distortion of docs/design.md.
 - bv4: a binary operator at the root opens deep/wide trees whose later parts often go wrong
   (unknown ops, wrong arity, bad constants, mis-closed parentheses); leaves and unary roots
   rarely fail.

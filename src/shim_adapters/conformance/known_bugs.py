@@ -423,7 +423,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         check="completeness", kinds=("valid_token_refused", "non_canonical_refused"),
         summary="outlines_core 0.2.14 refuses tokens that leave a final DFA state for a "
                 "non-final one (an optional suffix after a complete match; fixed upstream, "
-                "unreleased at 0.2.14, DESIGN.md)",
+                "unreleased at 0.2.14, docs/design.md)",
         repro="semver.regex, shipped tokenizer: after '7.3' the token '-' is refused though "
               "'7.3-rc1' matches",
         matches=lambda r, g: g is not None and g.format == "regex"

@@ -3,7 +3,7 @@
 A decoding method is a per-step distribution: the LM's (``masker=None``), the LM renormalised
 over the masker's allowed set (masking), or that set re-weighted by an adjuster's log γ̂
 (SHIM). The probability of a token sequence under a method is the product of its per-step
-probabilities along the sequence (DESIGN.md section 3).
+probabilities along the sequence (docs/design.md).
 
 This module is the user-facing face of that computation; the work is done by the same code
 the evaluation harness uses (:mod:`.evaluation.scoring` for teacher forcing,

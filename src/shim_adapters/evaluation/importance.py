@@ -1,7 +1,7 @@
 """Exact-target mode: the corrected sampler as an importance-sampling proposal.
 
 Both the LM's probability p(x) and the probability q(x) with which masking (or SHIM) produced x
-are computable exactly by teacher forcing (DESIGN.md sections 2-3). So a sample x of q carries
+are computable exactly by teacher forcing (docs/design.md). So a sample x of q carries
 the importance weight w(x) = p(x)·1[x in L] / q(x), and weighted samples are samples of the
 exact target p(x | G) ∝ p(x)·1[x in L], however rough γ̂ is:
 

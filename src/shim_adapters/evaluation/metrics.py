@@ -1,6 +1,6 @@
 """Fidelity metrics: KL(p(·|G) ‖ q) over a sampled support, its bootstrap CI, and its curve.
 
-The paper's protocol (DESIGN.md section 3): draw N unconstrained LM samples, keep the valid ones
+The paper's protocol (docs/design.md): draw N unconstrained LM samples, keep the valid ones
 as the support S, renormalise the LM's and the method's exact sequence probabilities over S and
 take the KL. Both inputs are log-probabilities over the same sequences; renormalising makes any
 constant offset (the prompt, the LM's invalid mass) irrelevant. KL is in nats.

@@ -1,4 +1,4 @@
-"""Per-phase timings and memory: the costs DESIGN.md section 5 asks to report separately.
+"""Per-phase timings and memory: the costs docs/design.md asks to report separately.
 
 Phases (one duration per call): ``compile`` (grammar -> masker), ``first_mask`` (the mask at
 step 0, often the most expensive), ``mask`` (later masks), ``advance`` (masker consumes a

@@ -65,7 +65,7 @@ BUILTIN_GRAMMARS: dict[str, BuiltinGrammar] = {
         BuiltinGrammar("bv4", "bv4.lark", "Write a 4-bit bit-vector invariant:\n",
                        "SyGuS BV4-style bit-vector s-expressions (define-fun inv ...)"),
         BuiltinGrammar("binary5", "binary5.lark", "Generate a binary string of length 5:\n",
-                       "17 of the 32 binary strings of length 5 (DESIGN.md section 1)"),
+                       "17 of the 32 binary strings of length 5 (docs/design.md)"),
         BuiltinGrammar("json", "json.lark", "Generate a JSON object:\n",
                        "JSON with explicit whitespace"),
         BuiltinGrammar("sql", "sql.lark", "Write a SQL query:\n",

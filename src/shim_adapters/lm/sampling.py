@@ -10,7 +10,7 @@ step and live row the engine records what every consumer needs, so no one re-der
 - ``proposal_logprobs``: the log-probability of the token under the distribution it was
   actually drawn from (the LM itself, masking, SHIM, a defensive mixture). Their difference
   along a suffix is the importance ratio p/q that turns any valid-only proposal into training
-  labels and fidelity estimates (DESIGN.md section 2).
+  labels and fidelity estimates (docs/design.md).
 
 Masked runs: optional ``adjuster`` (SHIM's γ̂, ASAp's trie) adds log-weights to the allowed
 tokens; ``defensive`` mixes the adjusted proposal with plain masking per step,

@@ -2,7 +2,7 @@
 
 A compiled grammar is only valid for one (normalised grammar, backend + version, tokenizer
 content, logits width, compile options): a cache keyed on less hands one tokenizer's masks to
-another (DESIGN.md section 4). Entries are whatever text the backend serialises to (XGrammar:
+another (docs/design.md). Entries are whatever text the backend serialises to (XGrammar:
 ``CompiledGrammar.serialize_json``) plus a JSON header with the key fields and the payload's
 sha256, checked on read; nothing is pickled. Writes are atomic (temp file + ``os.replace``), so
 concurrent processes never read half an entry.

@@ -50,7 +50,7 @@ class Tokenizations(str, enum.Enum):
     CANONICAL = "canonical"
 
 
-#: The state features of DESIGN.md section 2, in a fixed order.
+#: The state features of docs/design.md, in a fixed order.
 FEATURE_NAMES: tuple[str, ...] = ("parser_state", "lexer_state", "partial_lexeme")
 
 

@@ -1,7 +1,7 @@
 """A tokenizer's identity by content, not by class or size.
 
 Caches keyed on (class, vocab size) hand one tokenizer's masks to another (SynCode's mask-store
-pitfall in DESIGN.md section 4); everything here keys on this content hash instead.
+pitfall in docs/design.md); everything here keys on this content hash instead.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 With V(h) = P(the LM's continuation of prefix h ends in L), SHIM's controller estimates
 γ(t | h) = V(h·t). For a completion x drawn from any proposal q (the LM itself, masking, SHIM,
 a mixture), the row at step i gets the label 1[x in L]·∏_{j>i} p(x_j | x<j) / q(x_j | x<j): an
-unbiased estimate of V(x<i·x_i) (DESIGN.md section 2). The ratio is read off the rows
+unbiased estimate of V(x<i·x_i) (docs/design.md). The ratio is read off the rows
 (``row_lm_logprob`` against ``row_proposal_logprob``), so nothing is re-scored. Three kinds:
 
 - ``"final"`` (paper): unconstrained completions (q = p): the label is 0/1 final validity. It

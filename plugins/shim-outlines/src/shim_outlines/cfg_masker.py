@@ -10,7 +10,7 @@ guessed.
 
 llguidance only allows the canonical tokenisation where the grammar forces text (e.g. the fixed
 ``(define-fun inv ...`` header): the mask is sound, but an LM sample that spells forced text
-with other tokens is rejected (DESIGN.md section 4). This is llguidance's documented design
+with other tokens is rejected (docs/design.md). This is llguidance's documented design
 (its ``no_forcing`` grammar option: "when a sequence of bytes is forced by grammar, it is
 tokenized canonically and forced as tokens"; turning that off is meant for testing only), so
 the masker declares ``Tokenizations.CANONICAL_IN_FORCED_TEXT`` and the conformance suite

@@ -5,7 +5,7 @@ with numpy, never a Python loop over the vocabulary). EOS is allowed exactly whe
 is completed; ids beyond the tokenizer (logit padding) are always masked; after EOS the state
 is finished and the mask is all False (XGrammar raises if filled after termination).
 
-Features (DESIGN.md section 2), read from the matcher's debug dump (see ``internal_state``):
+Features (docs/design.md), read from the matcher's debug dump (see ``internal_state``):
 - parser_state, exact: the Earley items that can consume the next byte, e.g. ``r3.s1.e2/0``;
   ``start_positions`` picks how an item's start is rendered: ``"none"`` (the default, with
   ``position_feature=False``: the readout forgets byte offsets, so states recur and the γ cache
