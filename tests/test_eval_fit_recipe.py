@@ -33,7 +33,7 @@ def _recipe_params(command) -> set[str]:
 
 def test_fit_and_eval_declare_the_same_recipe_options():
     recipe = {"recipe_n_samples", "target", "rounds", "max_samples", "evidence_band",
-              "stop_at_newline", "chat", "batch_size"}
+              "text_features", "stop_at_newline", "chat", "batch_size"}
     assert recipe <= _recipe_params(cli.fit_command)
     assert recipe <= _recipe_params(cli.eval_command)
     # unset options take the library's defaults, the evidence band the commands' own

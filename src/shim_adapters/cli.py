@@ -407,6 +407,11 @@ def _recipe_options(budget_flag: str):
                          default="auto", show_default=True, is_flag=False, flag_value="yes",
                          help="A newline also ends the output (one-line answers); auto: probe "
                               "a few masked completions."),
+            click.option("--text-features", type=click.Choice(["off", "on", "auto"]),
+                         default=None,
+                         help="Features that see the token's text (byte n-grams crossed with "
+                              "the state); auto: keep them where they score better on held-out "
+                              "completions (default off)."),
             click.option("--chat", is_flag=True,
                          help="Apply the tokenizer's chat template to the prompt(s) (instruct "
                               "LMs)."),
@@ -420,14 +425,15 @@ def _recipe_options(budget_flag: str):
 
 def _build_recipe(*, kind: str, recipe_n_samples, target, rounds, max_samples,
                   evidence_band, stop_at_newline: str, chat: bool, batch_size: int,
-                  max_new_tokens: int | None, seed: int, progress: bool = True):
+                  max_new_tokens: int | None, seed: int, text_features: str | None = None,
+                  progress: bool = True):
     """The :class:`~shim_adapters.shim.fitting.FitRecipe` of :func:`_recipe_options`' values;
     every path that fits from the command line builds its recipe here."""
     from shim_adapters.shim import fitting
 
     given = {"n_samples": recipe_n_samples, "target": target, "rounds": rounds,
              "max_samples": max_samples, "max_new_tokens": max_new_tokens,
-             "evidence_band": evidence_band}
+             "evidence_band": evidence_band, "text_features": text_features}
     values = {k: v for k, v in given.items() if v is not None}
     for name, constant in _CLI_RECIPE_DEFAULTS.items():
         values.setdefault(name, getattr(fitting, constant))
@@ -500,8 +506,9 @@ def demo_command(grammar: str, backend: str | None, n_train: int, out_dir: str, 
                    "filesystem).")
 def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_file,
                 prompt_file_alias, prompt_text, prompts_file, kind, recipe_n_samples, target,
-                rounds, max_samples, evidence_band, stop_at_newline, chat, batch_size,
-                max_new_tokens, seed, threads, out_dir, as_json, engines, collection_dir,
+                rounds, max_samples, evidence_band, text_features, stop_at_newline, chat,
+                batch_size, max_new_tokens, seed, threads, out_dir, as_json, engines,
+                collection_dir,
                 top_logprobs, masking_artefact) -> None:
     """Sample the LM, fit a SHIM controller and save it as a checked artefact."""
     from shim_adapters.lm.loading import load_lm
@@ -518,7 +525,8 @@ def fit_command(grammar_spec, grammar_format, backend, strict, lm_spec, prompt_f
     recipe = _build_recipe(kind=kind, recipe_n_samples=recipe_n_samples, target=target,
                            rounds=rounds, max_samples=max_samples, evidence_band=evidence_band,
                            stop_at_newline=stop_at_newline, chat=chat, batch_size=batch_size,
-                           max_new_tokens=max_new_tokens, seed=seed)
+                           max_new_tokens=max_new_tokens, seed=seed,
+                           text_features=text_features)
     _threads(threads)
     if engines:
         manifest = _fit_from_engines(setup, recipe, prompt, lm_spec, engines, out_dir,
@@ -711,7 +719,7 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
 def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text,
                  eval_prompts_file, fit_prompts_file, controller_dir, exact, data_dir, lm_spec,
                  backend, methods, n_samples, recipe_n_samples, target, rounds, max_samples,
-                 evidence_band, stop_at_newline, chat, batch_size, asap_samples,
+                 evidence_band, text_features, stop_at_newline, chat, batch_size, asap_samples,
                  asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
                  max_new_tokens, cut_draws, threads, cases, limit, mixture_samples, resume,
                  seed, out_dir) -> None:
@@ -743,7 +751,7 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text,
     recipe = _build_recipe(kind="LR_FULL", recipe_n_samples=recipe_n_samples, target=target,
                            rounds=rounds, max_samples=max_samples, evidence_band=evidence_band,
                            stop_at_newline=stop_at_newline, chat=chat, batch_size=batch_size,
-                           max_new_tokens=None, seed=seed)
+                           max_new_tokens=None, seed=seed, text_features=text_features)
     if grammar_spec is not None:
         setup = _setup(grammar_spec, grammar_format, backend, False, lm_spec, prompt_file, None,
                        prompt_text, controller_dir=controller_dir,

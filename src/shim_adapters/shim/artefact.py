@@ -3,7 +3,7 @@
 A controller is only meaningful for the grammar, tokenizer, backend (and its version: feature
 ids change with it) and LM it was fitted for, so the manifest records all of them and
 :func:`load_controller` refuses a mismatch with
-:class:`~shim_adapters.errors.ManifestMismatchError` naming the field (DESIGN.md section 5: a
+:class:`~shim_adapters.errors.ManifestMismatchError` naming the field (docs/design.md: a
 cache keyed on less returns wrong answers). The manifest also records the sha256 and size of
 the weights file and a sha256 of its own content, so a truncated or edited artefact is refused
 with :class:`ArtefactCorruptedError` instead of loading garbage. Nothing is pickled.
@@ -43,6 +43,10 @@ from shim_adapters.shim.prompt_set import fitted_on
 
 FORMAT = "shim-adapters controller"
 FORMAT_VERSION = 1
+#: Written when the controller uses text features (:mod:`shim_adapters.shim.features`):
+#: readers that only know version 1 refuse it by its version instead of scoring without them.
+TEXT_FEATURES_FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, TEXT_FEATURES_FORMAT_VERSION)
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "controller.safetensors"
 #: Where a re-fit writes when the current manifest names WEIGHTS_FILE (see the module doc).
@@ -92,7 +96,8 @@ def build_manifest(controller: Controller, masker: Masker, lm=None, *,
     """The manifest of a fitted controller (without the weights' and its own checksums)."""
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": (TEXT_FEATURES_FORMAT_VERSION if controller.encoder_.uses_text
+                           else FORMAT_VERSION),
         "shim_adapters_version": __version__,
         **expected_fields(masker, lm),
         "grammar_name": masker.grammar.name,
@@ -168,8 +173,8 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise ArtefactCorruptedError(path, f"manifest is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtefactCorruptedError(path, f"not a {FORMAT!r} manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ManifestMismatchError("format_version", FORMAT_VERSION,
+    if manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        raise ManifestMismatchError("format_version", READABLE_FORMAT_VERSIONS,
                                     manifest.get("format_version"), str(path))
     if manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise ArtefactCorruptedError(path, "manifest content does not match its "

@@ -13,7 +13,7 @@ the LRs, 64 for the MLP). The state's rows are summed once per step
 :meth:`Controller.predict_log_gamma` is vectorised over the allowed set, and tokens with no
 feature of their own (unseen in training) share one value computed once.
 
-Fitting follows DESIGN.md section 2: row-level log-loss picks the wrong controller, because only
+Fitting follows docs/design.md: row-level log-loss picks the wrong controller, because only
 the contrast between tokens within one step survives renormalisation. Regularisation and the
 damping exponent β (SHIM adds β·log γ̂) are therefore chosen jointly on held-out completions
 (GroupKFold by completion, never by row) by the held-out log-likelihood of the tokens actually
@@ -93,7 +93,8 @@ class Controller:
     def __init__(self, reg_grid: Sequence[float] = (0.01, 0.1, 1.0, 10.0, 100.0),
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
                  parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
-                 min_gain_se: float = 1.0, min_target_samples: float = 10.0):
+                 min_gain_se: float = 1.0, min_target_samples: float = 10.0,
+                 text_ngrams: int = 0):
         self.reg_grid = tuple(reg_grid)
         self.beta_grid = tuple(beta_grid)
         self.n_splits = n_splits
@@ -104,6 +105,9 @@ class Controller:
         #: Below this effective number of held-out target samples the gain and its SE are
         #: not trusted (one valid completion has SE 0): the fit falls back to masking.
         self.min_target_samples = min_target_samples
+        #: Text features of the tokens (:mod:`shim_adapters.shim.features`): longest byte
+        #: n-gram; 0: token ids only.
+        self.text_ngrams = int(text_ngrams)
 
     # ---- hyper-parameters -----------------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict[str, Any]:
@@ -112,7 +116,10 @@ class Controller:
         import inspect
 
         names = [n for n in inspect.signature(type(self).__init__).parameters if n != "self"]
-        return {name: getattr(self, name) for name in names}
+        params = {name: getattr(self, name) for name in names}
+        if not params.get("text_ngrams", 0):  # absent at 0: versions without text features
+            params.pop("text_ngrams", None)   # still load artefacts that use none
+        return params
 
     def set_params(self, **params: Any) -> "Controller":
         """Set constructor parameters (scikit-learn convention); unknown names are refused."""
@@ -129,7 +136,8 @@ class Controller:
 
     def _new_encoder(self) -> FeatureEncoder:
         return FeatureEncoder(groups=self.feature_groups, parser_top_k=self.parser_top_k,
-                              min_cross_count=self.min_cross_count)
+                              min_cross_count=self.min_cross_count,
+                              text_ngrams=self.text_ngrams)
 
     # ---- model hooks (subclasses) ---------------------------------------------------------
     def _fit_model(self, rows: _Rows, reg: float, n_features: int) -> dict[str, np.ndarray]:
@@ -190,7 +198,10 @@ class Controller:
                              f"({data.n_completions}), got shape {cw.shape}")
         self.eos_token_ids_ = np.array(sorted(int(e) for e in data.manifest.get(
             "eos_token_ids", [])), dtype=np.int64)
-        self.encoder_ = self._new_encoder().fit(data.states, data.row_state, data.row_token)
+        texts = data.manifest.get("token_texts")
+        self.encoder_ = self._new_encoder().fit(
+            data.states, data.row_state, data.row_token,
+            token_texts=None if texts is None else {int(k): v for k, v in texts.items()})
         encoded = [self.encoder_.encode_state(s) for s in data.states]
         X = self.encoder_.transform_encoded(encoded, data.row_state, data.row_token)
         key = data.row_state.astype(np.int64) * (int(data.row_token.max()) + 1) + data.row_token
@@ -356,18 +367,25 @@ class Controller:
         E = self.weights_["embed"]
         enc = self.encoder_
         self._E_state = E[: enc.n_state_]
+        n_st = enc.n_state_ + enc.n_token_
+        token_rows = E[enc.n_state_: n_st]
+        if enc.n_text_:  # a token's text features are static: fold them into its row
+            text = E[n_st + enc.n_cross_: n_st + enc.n_cross_ + enc.n_text_]
+            token_rows = token_rows + np.asarray(enc.token_text_matrix_ @ text, dtype=E.dtype)
         # one extra zero row so that "no such feature" (-1) gathers zeros
-        self._E_token = np.vstack([E[enc.n_state_: enc.n_state_ + enc.n_token_],
+        self._E_token = np.vstack([token_rows, np.zeros((1, E.shape[1]), dtype=E.dtype)])
+        self._E_cross = np.vstack([E[n_st: n_st + enc.n_cross_],
                                    np.zeros((1, E.shape[1]), dtype=E.dtype)])
-        self._E_cross = np.vstack([E[enc.n_state_ + enc.n_token_:],
-                                   np.zeros((1, E.shape[1]), dtype=E.dtype)])
+        self._E_text_cross = E[n_st + enc.n_cross_ + enc.n_text_:]
+        self._text_cross_rows: dict[int, np.ndarray] = {}
         self._bias = self.weights_["embed_bias"]
         self._eos = set(int(e) for e in self.eos_token_ids_)
         self._eos_sorted = sorted(self._eos)
         # the tokens that can differ from the shared value: known tokens and EOS
         ids = np.union1d(enc.token_vocab_, np.asarray(self.eos_token_ids_, dtype=np.int64))
         self.scored_token_ids_ = ids.astype(np.int64)
-        self._scored_pre_token = self._E_token[enc.token_columns(self.scored_token_ids_)]
+        self._scored_token_columns = enc.token_columns(self.scored_token_ids_)
+        self._scored_pre_token = self._E_token[self._scored_token_columns]
         self._scored_is_eos = np.isin(self.scored_token_ids_, self.eos_token_ids_)
         self._cross_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # the γ caches adjusters share (gamma_cache.shared_gamma_cache) hold the previous
@@ -395,7 +413,23 @@ class Controller:
         if self.encoder_.n_cross_ and len(enc.cross_keys) and len(seen):
             cc = self.encoder_.cross_columns(enc.cross_keys, allowed[seen])
             pre = pre + self._E_cross[cc].sum(axis=0)
+        if self.encoder_.n_text_cross_ and len(seen):
+            for key in enc.cross_keys.tolist():
+                pre = pre + self._text_cross_of(key)[tok[seen]]
         return seen, state_pre[None, :] + pre, state_pre[None, :]
+
+    def _text_cross_of(self, cross_key: int) -> np.ndarray:
+        """Per token column (and a zero row for -1): the summed weight rows of its n-grams'
+        pairs with one cross key (cached per key, as :meth:`_cross_rows_of`)."""
+        hit = self._text_cross_rows.get(cross_key)
+        if hit is None:
+            enc = self.encoder_
+            owner, cols = enc.text_cross_columns(cross_key, np.arange(enc.n_token_))
+            hit = np.zeros((enc.n_token_ + 1, self._E_token.shape[1]), dtype=np.float64)
+            np.add.at(hit, owner, self._E_text_cross[cols])
+            if len(self._text_cross_rows) < 1 << 12:
+                self._text_cross_rows[cross_key] = hit
+        return hit
 
     def _cross_rows_of(self, cross_key: int) -> tuple[np.ndarray, np.ndarray]:
         """Positions (in ``scored_token_ids_``) and weight rows of one cross key's pairs.
@@ -434,6 +468,9 @@ class Controller:
                 pos, rows = self._cross_rows_of(key)
                 if len(pos):
                     pre[pos] += rows  # positions are unique within one key
+        if self.encoder_.n_text_cross_:
+            for key in enc.cross_keys.tolist():
+                pre[:-1] += self._text_cross_of(key)[self._scored_token_columns]
         lg = log_sigmoid(self._head(self.weights_, pre))
         if damped:
             lg *= self.beta_
@@ -601,11 +638,12 @@ class MLP(Controller):
                  epochs: int = 40, batch_size: int = 256, learning_rate: float = 3e-3,
                  beta_grid: Sequence[float] = DEFAULT_BETA_GRID, n_splits: int = 3,
                  parser_top_k: int = 3, min_cross_count: int = 2, random_state: int = 0,
-                 min_gain_se: float = 1.0, min_target_samples: float = 10.0):
+                 min_gain_se: float = 1.0, min_target_samples: float = 10.0,
+                 text_ngrams: int = 0):
         super().__init__(reg_grid=reg_grid, beta_grid=beta_grid, n_splits=n_splits,
                          parser_top_k=parser_top_k, min_cross_count=min_cross_count,
                          random_state=random_state, min_gain_se=min_gain_se,
-                         min_target_samples=min_target_samples)
+                         min_target_samples=min_target_samples, text_ngrams=text_ngrams)
         self.hidden = tuple(hidden)
         self.epochs = epochs
         self.batch_size = batch_size

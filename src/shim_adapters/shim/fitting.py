@@ -77,6 +77,11 @@ ROUND_PROPOSALS = ("shim", "defensive")
 DEFAULT_MAX_SAMPLES = 1000
 #: ``FitRecipe.evidence_band`` of the ``shim fit`` / ``shim eval`` commands.
 CLI_EVIDENCE_BAND = 2.0
+#: ``FitRecipe.text_features``: token ids only, with text features, or the better of the two
+#: on held-out completions.
+TEXT_FEATURE_CHOICES = ("off", "on", "auto")
+#: Longest byte n-gram of the text features (:mod:`shim_adapters.shim.features`).
+TEXT_NGRAMS = 3
 
 
 def _p_valid_estimate(log_ratio_totals: np.ndarray, valid: np.ndarray) -> float:
@@ -136,6 +141,10 @@ class FitRecipe:
     #: ``shim`` commands default to :data:`CLI_EVIDENCE_BAND`, where the decision is measured
     #: to flip less with the seed (``reports/trust-band``).
     evidence_band: float = 1.0
+    #: Features that see the token's text (hashed byte n-grams, crossed with the state):
+    #: ``"off"``, ``"on"`` or ``"auto"`` (fit both on the first draw, keep the one with the
+    #: better held-out score; recorded in ``training.features``).
+    text_features: str = "off"
     controller_params: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -153,6 +162,9 @@ class FitRecipe:
         if self.n_samples < self.rounds * 2:
             raise ValueError(f"n_samples={self.n_samples} is too small for {self.rounds} "
                              f"round(s)")
+        if self.text_features not in TEXT_FEATURE_CHOICES:
+            raise ValueError(f"text_features must be one of {', '.join(TEXT_FEATURE_CHOICES)}, "
+                             f"got {self.text_features!r}")
         if not self.evidence_band >= 1.0:
             raise ValueError(f"evidence_band must be >= 1 (1: decide at the floor), got "
                              f"{self.evidence_band}")
@@ -160,8 +172,14 @@ class FitRecipe:
             raise ValueError(f"max_samples must be >= 1 (or None: no top-ups), got "
                              f"{self.max_samples}")
 
-    def new_controller(self):
-        return make_controller(self.kind, **self.controller_params)
+    def new_controller(self, text_ngrams: int | None = None):
+        """A fresh controller of the recipe (``text_ngrams``: the text-feature choice made)."""
+        params = dict(self.controller_params)
+        if text_ngrams is None:
+            text_ngrams = TEXT_NGRAMS if self.text_features == "on" else 0
+        if text_ngrams:
+            params.setdefault("text_ngrams", text_ngrams)
+        return make_controller(self.kind, **params)
 
     def round_sizes(self) -> list[int]:
         """LM samples per planned round: ``n_samples`` split evenly, the rest in round 1."""
@@ -193,11 +211,31 @@ class InProcessRollouts:
 
     def draw(self, n: int, proposal: str, seed: int, controller=None,
              defensive: float = 0.0) -> TrainingData:
-        return sample_training_data(self.lm, self.masker, self.prefilled.prompt, n,
+        data = sample_training_data(self.lm, self.masker, self.prefilled.prompt, n,
                                     max_new_tokens=self.max_new_tokens, seed=seed,
                                     progress=self.progress, proposal=proposal,
                                     controller=controller, prefilled=self.prefilled,
                                     batch_size=self.batch_size, defensive=defensive)
+        return with_token_texts(data, self.masker)
+
+
+def with_token_texts(data: TrainingData, masker: Masker) -> TrainingData:
+    """Record the text of every token the rows hold (``manifest["token_texts"]``): text
+    features need it, and the masker that decodes it is not at hand when the controller fits."""
+    tokens = np.unique(data.row_token).tolist()
+    data.manifest = dict(data.manifest, token_texts={
+        int(t): masker.decode([int(t)]) for t in tokens})
+    return data
+
+
+def _pooled_texts(parts) -> dict[int, str] | None:
+    texts: dict[int, str] = {}
+    for p in parts:
+        got = p.data.manifest.get("token_texts")
+        if got is None:
+            return None
+        texts.update({int(k): v for k, v in got.items()})
+    return texts
 
 
 #: Seed stride between the prompts of a set (rounds step by 1000: no two draws share a seed).
@@ -226,8 +264,11 @@ class PromptSetRollouts:
                                          controller, defensive))
                 owners.append(np.full(m, i, dtype=np.int64))
         data = concat_training_data(parts)
+        texts = {}
+        for part in parts:
+            texts.update(part.manifest.get("token_texts") or {})
         data.manifest = dict(data.manifest, completion_prompt=np.concatenate(owners).tolist(),
-                             prompt_counts=counts)
+                             prompt_counts=counts, token_texts=texts)
         return data
 
 
@@ -444,6 +485,8 @@ class _Fit:
     pool: Any
     pooled: Any = None
     cap: int = 0
+    #: The text-feature choice of the first fit, kept by every refit.
+    text_ngrams: int = 0
 
 
 def _first_fit(recipe: FitRecipe, chosen: str, data) -> _Fit:
@@ -454,13 +497,31 @@ def _first_fit(recipe: FitRecipe, chosen: str, data) -> _Fit:
             f"by the masker at their first token (valid fraction {np.mean(data.valid):.3g}); "
             f"the final-validity target needs valid draws: use target='rollout' (or 'auto')")
     parts = [_Part(data, None, 0.0)]
-    controller = recipe.new_controller().fit(targets.data, y=targets.y,
-                                             completion_weight=targets.completion_weight,
-                                             **_group_kw(parts, targets.data))
+    controller, features = _fit_features(recipe, targets, _group_kw(parts, targets.data))
     first = _round_entry(1, data, targets, controller, kept=True)
+    first["features"] = features
     first.update(kind="first draw", lm_samples=int(data.n_completions))
-    return _Fit(chosen, controller, targets, parts, [first], int(data.n_completions), data)
+    return _Fit(chosen, controller, targets, parts, [first], int(data.n_completions), data,
+                text_ngrams=int(getattr(controller, "text_ngrams", 0)))
 
+
+def _fit_features(recipe: FitRecipe, targets, group_kw: dict) -> tuple[Any, dict[str, Any]]:
+    """The first fit; with ``text_features="auto"`` once without and once with text features,
+    keeping the better held-out score (the cross-validated log-likelihood of the held-out
+    completions at each fit's best regularisation and β, on the same folds and weights)."""
+    options = {"off": [0], "on": [TEXT_NGRAMS], "auto": [0, TEXT_NGRAMS]}[recipe.text_features]
+    fits = []
+    for n in options:
+        c = recipe.new_controller(text_ngrams=n).fit(
+            targets.data, y=targets.y, completion_weight=targets.completion_weight, **group_kw)
+        fits.append((float(np.max(c.cv_scores_)), n, c))
+    score, n, controller = max(fits, key=lambda f: f[0])
+    record = {"text_ngrams": n, "choice": recipe.text_features,
+              "n_features": int(controller.n_features_in_),
+              "candidates": [{"text_ngrams": m, "heldout_score": sc,
+                              "n_features": int(c.n_features_in_),
+                              "fit_seconds": float(c.fit_seconds_)} for sc, m, c in fits]}
+    return controller, record
 
 def _group_kw(parts, data) -> dict[str, Any]:
     """Fit keywords: with several prompts, cross-validation holds out whole prompts."""
@@ -479,8 +540,11 @@ def _is_thin(fit: _Fit, recipe: FitRecipe) -> bool:
     c = fit.controller
     if getattr(c, "fallback_reason_", None) == "low_target_samples":
         return True
+    # only the band above the floor: below it the fit says why (thin: above; none at all:
+    # "no_target_samples", where more of the same draws have not helped)
     ess = getattr(c, "heldout_effective_samples_", float("inf"))
-    return bool(ess < recipe.evidence_band * c.min_target_samples)
+    floor = c.min_target_samples
+    return bool(floor <= ess < recipe.evidence_band * floor)
 
 
 def _next_proposal(fit: _Fit, recipe: FitRecipe, thin: bool):
@@ -515,8 +579,11 @@ def _refit_rounds(fit: _Fit, recipe: FitRecipe, rollouts: Rollouts, sizes: list[
         fit.spent += n_draw
         fit.parts.append(_Part(fresh, proposer, mix))
         fit.pool = concat_training_data([p.data for p in fit.parts])
+        texts = _pooled_texts(fit.parts)
+        if texts is not None:
+            fit.pool.manifest = dict(fit.pool.manifest, token_texts=texts)
         fit.pooled = _pooled_targets(fit.pool, fit.parts)
-        candidate = recipe.new_controller().fit(
+        candidate = recipe.new_controller(text_ngrams=fit.text_ngrams).fit(
             fit.pooled.data, y=fit.pooled.y, completion_weight=fit.pooled.completion_weight,
             **_group_kw(fit.parts, fit.pooled.data))
         if regular and not thin:
@@ -587,6 +654,7 @@ def _record_training(training: dict[str, Any], fit: _Fit, recipe: FitRecipe) -> 
     training["target_effective_samples"] = fit.targets.effective_target_samples
     training["target_clipped_fraction"] = fit.targets.clipped_fraction
     training["rounds"] = fit.history
+    training["features"] = fit.history[0].get("features")
     if "prompt_set" in training:  # what the trust decision was judged on
         training["heldout_holds_out"] = ("prompts" if getattr(fit.controller, "cv_groups_", "")
                                          == "groups" else "completions")
