@@ -7,12 +7,13 @@ newline into EOS on both paths, and a wide evidence band forces top-ups on both.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
 from shim_adapters import cli
-from shim_adapters.shim.fitting import CLI_EVIDENCE_BAND, FitRecipe
+from shim_adapters.shim.fitting import CLI_EVIDENCE_BAND, FitRecipe, _Fit, _is_thin
 
 
 def run(*args):
@@ -80,3 +81,20 @@ def test_both_paths_ran_the_probe_and_the_top_ups(both):
     # every method of the evaluation saw the LM view the controller was fitted on
     assert report["cases"][0]["stop_at_newline"] is True
     assert report["cases"][0]["methods"]["lr_full"]["lm_samples_total"] == 48
+
+
+@pytest.mark.parametrize("ess, reason, band, thin", [
+    (5.0, "low_target_samples", 1.0, True),   # below the floor: thin at any band
+    (0.0, "no_target_samples", 2.0, False),   # no target sample at all: not a band case
+    (12.0, None, 1.0, False),                 # decided at the floor
+    (12.0, None, 2.0, True),                  # inside the band: draw more first
+    (12.0, "no_gain", 2.0, True),
+    (25.0, None, 2.0, False),                 # above the band: decided
+])
+def test_the_evidence_band_covers_only_the_band_above_the_floor(ess, reason, band, thin):
+    controller = SimpleNamespace(fallback_reason_=reason, heldout_effective_samples_=ess,
+                                 min_target_samples=10.0)
+    fit = _Fit("rollout", controller, None, [], [], 0, None)
+    assert _is_thin(fit, FitRecipe(evidence_band=band)) is thin
+    assert _is_thin(_Fit("final", controller, None, [], [], 0, None),
+                    FitRecipe(evidence_band=band)) is False
