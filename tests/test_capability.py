@@ -131,3 +131,13 @@ def test_non_integer_multiple_of_and_unlisted_members_are_their_own_constructs()
     assert xgr["multipleOf:non-integer"] is Support.POST_CHECK
     assert xgr["additionalProperties:absent"] is Support.STRICTER
     assert not validate_output(grammar, '{"p": 10000.001}').valid
+
+
+def test_the_post_check_reads_the_draft_the_schema_declares():
+    from shim_adapters.mask.capability import validate_output
+
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "dependencies": {"shipTo": ["shipAddress"]}}
+    grammar = Grammar(json.dumps(schema), "json_schema", "order")
+    assert not validate_output(grammar, '{"shipTo": "x"}').valid  # draft-04 `dependencies`
+    assert validate_output(grammar, '{"shipTo": "x", "shipAddress": "y"}').valid

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 from shim_adapters.backends.registry import backends as installed_backends
+from shim_adapters.conformance.corpus import corpus_files, read_rows, run_corpus
+from shim_adapters.conformance.corpus import to_markdown as corpus_markdown
 from shim_adapters.conformance.known_bugs import UnknownKnownBugError, check_known_ids
 from shim_adapters.conformance.profiles import PROFILES
 from shim_adapters.conformance.report import FAILURE_CLASSES, Report, parse_fail_on
@@ -57,6 +59,14 @@ def main(argv=None) -> int:
     ap.add_argument("--logits-width", type=int, default=None)
     ap.add_argument("--controller", default=None, help="controller artefact dir for the γ check")
     ap.add_argument("--profile-file", help="run a matrix described by this JSON file")
+    ap.add_argument("--corpus", metavar="DIR",
+                    help="run a MaskBench-format corpus (JSON schemas with valid and invalid "
+                         "instances) through --backend (a comma list; default every schema "
+                         "backend); with --out: resumable log and report there")
+    ap.add_argument("--corpus-every", type=int, default=1, metavar="N",
+                    help="with --corpus: one file in N, in name order (a documented subset)")
+    ap.add_argument("--corpus-limit", type=int, default=None, metavar="N",
+                    help="with --corpus: at most N files")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--fail-on", default=None,
                     help="comma list of failure classes that fail the run: "
@@ -97,6 +107,8 @@ def main(argv=None) -> int:
     except (UsageError, UnknownKnownBugError) as exc:
         print(f"conformance: usage error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if args.corpus:
+        return _corpus(args)
     try:
         report = _run(ap, args, fail_on)
     except SystemExit:
@@ -174,6 +186,43 @@ def _run(ap, args, fail_on) -> Report:
     return report
 
 
+def _corpus(args) -> int:
+    """``--corpus DIR``: the MaskBench protocol through each backend plugin; exit 1 when an
+    invalid instance was accepted while the capability report claimed every construct
+    enforced (a silent invalidation error: a defect of our declarations)."""
+    names = [n for n in (args.backend or "").split(",") if n] or \
+        [n for n, spec in installed_backends().items() if "json_schema" in spec.grammar_formats]
+    files = corpus_files(args.corpus, args.corpus_limit, args.corpus_every)
+    log = Path(args.out) / f"{args.stem or 'corpus'}.rows.jsonl" if args.out else None
+    if args.assemble:  # the report of the rows logged so far (safe while the run goes on)
+        if log is None or not log.exists():
+            print("conformance: usage error: --assemble needs --out with a corpus log",
+                  file=sys.stderr)
+            return USAGE_ERROR
+        rows = read_rows(log)
+        keys = {(f.name, n) for f in files for n in names}
+        rows = [r for r in rows if (r.file, r.backend) in keys]
+    else:
+        rows = run_corpus(files, names, args.tokenizer, log)
+    command = ("shim conformance --corpus " + args.corpus
+               + (f" --backend {','.join(names)}" if args.backend else "")
+               + f" --tokenizer {args.tokenizer}"
+               + (f" --corpus-every {args.corpus_every}" if args.corpus_every > 1 else "")
+               + (f" --corpus-limit {args.corpus_limit}" if args.corpus_limit else "")
+               + (f" --out {args.out}" if args.out else ""))
+    done = len({r.file for r in rows})
+    note = (f"{done} of {len(files)} planned files done (the rest: rerun the command, it "
+            "resumes)" if done < len(files) else "")
+    text = corpus_markdown(rows, command, note)
+    if args.out:
+        path = Path(args.out) / f"{args.stem or 'corpus'}.md"
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
+    else:
+        print(text)
+    return 1 if any(r.silent_invalidation_errors for r in rows) else 0
+
+
 class UsageError(ValueError):
     """The command cannot run as asked (exit 2)."""
 
@@ -182,6 +231,14 @@ def _check_usage(args) -> None:
     """What can be checked before anything loads: the backend is installed, each grammar is
     a built-in or an existing file, the tokenizer a known name or an existing path, the
     profile (file) exists."""
+    if args.corpus:
+        if not Path(args.corpus).is_dir():
+            raise UsageError(f"--corpus: no directory {args.corpus}")
+        for name in (args.backend or "").split(","):
+            if name and name not in installed_backends():
+                raise UsageError(f"no backend named {name!r} is installed; installed: "
+                                 f"{', '.join(installed_backends()) or 'none'}")
+        return
     if args.profile_file:
         if not Path(args.profile_file).is_file():
             raise UsageError(f"no profile file {args.profile_file}")

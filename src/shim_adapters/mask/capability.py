@@ -263,9 +263,10 @@ def validate_output(grammar: Grammar, text: str) -> OutputCheck:
             value = json.loads(text)
         except ValueError as exc:
             return OutputCheck(False, (f"not JSON: {exc}",))
-        validator = jsonschema.Draft202012Validator(
-            json.loads(grammar.text),
-            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        schema = json.loads(grammar.text)
+        # the draft the schema declares ($schema: draft-04's `dependencies`, ...), else 2020-12
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
         problems = tuple(f"{'/' + '/'.join(map(str, e.absolute_path))}: {e.message} "
                          f"({e.validator})" for e in validator.iter_errors(value))
         return OutputCheck(not problems, problems)
