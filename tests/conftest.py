@@ -64,6 +64,19 @@ def _installed_backend_plugins() -> set[str]:
     return {ep.name for ep in importlib.metadata.entry_points(group="shim_adapters")}
 
 
+def _missing_backend(exc: BaseException) -> str | None:
+    """The backend an exception says is missing: the registry's error, or an import of a
+    backend plugin's package (``shim_<name>``) or of the backend library itself."""
+    if isinstance(exc, BackendNotFoundError):
+        found = _MISSING_BACKEND.search(str(exc))
+        return found.group(1) if found else None
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        top = exc.name.split(".")[0]
+        name = top[len("shim_"):] if top.startswith("shim_") else top
+        return name if (ROOT / "plugins" / f"shim-{name}").is_dir() else None
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test that asks for a backend whose plugin is not installed is skipped, naming it.
@@ -75,12 +88,9 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not report.failed or call.excinfo is None:
         return
-    if not call.excinfo.errisinstance(BackendNotFoundError):
+    name = _missing_backend(call.excinfo.value)
+    if name is None or name in _installed_backend_plugins():
         return
-    found = _MISSING_BACKEND.search(str(call.excinfo.value))
-    if found is None or found.group(1) in _installed_backend_plugins():
-        return
-    name = found.group(1)
     report.outcome = "skipped"
     report.longrepr = (str(item.path), item.location[1] or 0,
                        f"Skipped: backend {name!r} is not installed (pip install "

@@ -103,7 +103,8 @@ class EngineClient:
             raise EngineError(f"{self.url}/v1/models lists {len(models)} models {names}; an "
                               f"engine fit needs a server that serves exactly one")
         m = models[0]
-        return ServedModel(url=self.url, id=str(m.get("id")), root=str(m.get("root") or m.get("id")),
+        return ServedModel(url=self.url, id=str(m.get("id")),
+                           root=str(m.get("root") or m.get("id")),
                            max_model_len=m.get("max_model_len"))
 
     def tokenize(self, model: str, text: str) -> list[int]:

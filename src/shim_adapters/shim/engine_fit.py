@@ -27,10 +27,11 @@ import numpy as np
 
 from transformers import AutoConfig, AutoTokenizer
 
+from shim_adapters.errors import ShimError
 from shim_adapters.lm.engine_client import EngineClient, ServedModel
 from shim_adapters.lm.loading import DEFAULT_SPECS, default_lm_path, weights_digest
 from shim_adapters.mask.protocol import Masker
-from shim_adapters.shim.artefact import save_controller
+from shim_adapters.shim.artefact import load_controller, save_controller
 from shim_adapters.shim.engine_rollouts import (
     EngineRecord,
     EngineSettings,
@@ -174,6 +175,20 @@ def write_masking_artefact(directory: Path, masker: Masker, lm: EngineLM, *,
     return Path(directory)
 
 
+def masking_artefact_for(directory: Path, masker: Masker, lm: EngineLM) -> Path:
+    """The masking artefact in ``directory``: the one there when it loads for this masker and
+    LM with β = 0 (a resumed collection keeps the artefact its rollouts were drawn with), else
+    a new one."""
+    if (Path(directory) / "manifest.json").exists():
+        try:
+            controller, _ = load_controller(directory, masker, lm)
+        except (ShimError, OSError, ValueError):
+            controller = None
+        if controller is not None and controller.beta_ == 0.0:
+            return Path(directory)
+    return write_masking_artefact(directory, masker, lm)
+
+
 def fit_from_engines(urls: Sequence[str], masker: Masker, tokenizer, lm_path: str | Path,
                      prompt: str, recipe: FitRecipe, directory: str | Path, *,
                      output_dir: str | Path | None = None, top_logprobs: int = 20,
@@ -194,7 +209,7 @@ def fit_from_engines(urls: Sequence[str], masker: Masker, tokenizer, lm_path: st
                           served_revision=_local_weights_digest)
     directory = Path(directory).expanduser().resolve()
     if masking_artefact is None:
-        masking_artefact = str(write_masking_artefact(directory / MASKING_ARTEFACT, masker, lm))
+        masking_artefact = str(masking_artefact_for(directory / MASKING_ARTEFACT, masker, lm))
     settings = EngineSettings(max_new_tokens=recipe.max_new_tokens, top_logprobs=top_logprobs,
                               masking_artefact=str(masking_artefact), concurrency=concurrency)
     prompt_ids = list(tokenizer(prompt)["input_ids"])

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import threading
 import time
@@ -68,6 +67,8 @@ COLLECTION_FORMAT = "shim-engine-rollouts"
 COLLECTION_VERSION = 1
 #: Probe texts per engine for the tokenizer check (chunks of the decoded vocabulary).
 TOKENIZER_PROBES = 16
+#: At or below this a reported log-probability is a masked-out token (vLLM writes -9999).
+MASKED_LOGPROB = -9000.0
 #: Requests in flight per engine.
 DEFAULT_CONCURRENCY = 8
 
@@ -337,7 +338,8 @@ def replay_rollouts(records: Sequence[EngineRecord], masker: Masker, *, prompt: 
             log_z = lp - lq
             logp = np.full(width, -np.inf, dtype=np.float64)
             for tid, q in rec.top[step].items():
-                if 0 <= tid < width and mask[tid] and math.isfinite(q):
+                # vLLM reports a masked-out token's log-probability as -9999 (not -inf)
+                if 0 <= tid < width and mask[tid] and q > MASKED_LOGPROB:
                     logp[tid] = q + log_z
             logp[token] = lp
             recorder.record(k, step, state, token, logp, mask, log_z)
