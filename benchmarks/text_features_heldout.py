@@ -1,6 +1,7 @@
 """Token ids alone vs features that see the token's text (``FitRecipe.text_features``), on one
 shared draw per case: the held-out KL gain over masking (nats per target sample, cross-
-validated, as the fit's trust decision reads it), fit time and artefact size of each.
+validated, as the fit's trust decision reads it), fit time and artefact size of each, and the
+paired difference on (text features - token ids) with its SE (same completions and weights).
 
     python benchmarks/text_features_heldout.py --cases json,sql --n 300 \\
         --out reports/text-features/shipped-lm.json
@@ -15,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shim_adapters.backends.registry import get_backend
@@ -27,6 +29,7 @@ from shim_adapters.shim.fitting import (
     fit_with_recipe,
     prepare_prompt,
 )
+from shim_adapters.shim.targets import target_weights
 
 
 def main() -> None:
@@ -53,6 +56,7 @@ def main() -> None:
         t0 = time.perf_counter()
         first = draw_first(rollouts, recipe)
         sample_seconds = time.perf_counter() - t0
+        heldout = {}
         for text in ("off", "on"):
             with tempfile.TemporaryDirectory() as out:
                 t0 = time.perf_counter()
@@ -61,6 +65,7 @@ def main() -> None:
                                               first=first, output_dir=out)
                 seconds = time.perf_counter() - t0
                 size = sum(f.stat().st_size for f in Path(out).iterdir())
+            heldout[text] = c.heldout_per_completion_
             rows.append({"case": name, "text_features": text, "n": a.n,
                          "heldout_kl_gain": c.heldout_kl_gain_,
                          "heldout_kl_gain_se": c.heldout_kl_gain_se_,
@@ -70,6 +75,13 @@ def main() -> None:
                          "artefact_bytes": size,
                          "p_valid_estimate": manifest["training"]["p_valid_estimate"]})
             print(json.dumps(rows[-1]), flush=True)
+        w = target_weights(first.data)
+        p = w / w.sum()
+        d = heldout["on"] - heldout["off"]
+        diff = float(d @ p)
+        rows.append({"case": name, "paired_difference_on_minus_off": diff,
+                     "paired_difference_se": float(np.sqrt(np.sum(p ** 2 * (d - diff) ** 2)))})
+        print(json.dumps(rows[-1]), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"lm": lm.identifier, "backend": a.backend,
                                        "rows": rows}, indent=1))
