@@ -86,9 +86,15 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
         if keyword not in ("$defs", "definitions"):
             yield pointer or "/", construct_name(keyword, value)
         if keyword in _SUBSCHEMA:
+            if keyword == "items" and (value == {} or value is True):
+                yield where, "schema:any"
             yield from schema_constructs(value, where)
         elif keyword in _SCHEMA_MAP and isinstance(value, dict):
             for name, sub in value.items():
+                if sub == {} or sub is True:
+                    # "any JSON value": a construct of its own, since backends compile it
+                    # differently (outlines_core splices an unbracketed alternation)
+                    yield f"{where}/{name}", "schema:any"
                 yield from schema_constructs(sub, f"{where}/{name}")
         elif keyword in _SCHEMA_LIST and isinstance(value, list):
             for i, sub in enumerate(value):
@@ -321,6 +327,8 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
     ("multipleOf:non-integer", {"type": "number", "multipleOf": 0.01}, 0.05, 10000.001),
     ("additionalProperties:absent", {"type": "object", "properties": {"a": {"type": "integer"}},
                                      "required": ["a"]}, {"a": 1, "z": 2}, {"a": "x"}),
+    ("schema:any", {"type": "object", "properties": {"a": {}}, "required": ["a"],
+                    "additionalProperties": False}, {"a": "x"}, "x"),
     ("minProperties", {"type": "object", "properties": {"a": {"type": "integer"},
                                                         "b": {"type": "integer"}},
                        "minProperties": 2, "additionalProperties": False},
@@ -355,7 +363,7 @@ def probe_schema_support(spec, tokenizer, vocab_size: int | None = None,
         bad_ok = _accepts(masker, tokenizer, json.dumps(bad, separators=(",", ":")))
         if good_ok and not bad_ok:
             found[construct] = Support.EXACT.value
-        elif good_ok and bad_ok:
+        elif bad_ok:  # a violation gets through the mask: only the post-check can flag it
             found[construct] = Support.POST_CHECK.value
         elif not bad_ok:
             found[construct] = Support.STRICTER.value  # a valid instance refused, no invalid one

@@ -34,7 +34,11 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   "multipleOf:non-integer": "stricter",
                   # outlines_core, like XGrammar's strict_mode, refuses members a schema does
                   # not list where it says nothing about additionalProperties
-                  "additionalProperties:absent": "stricter"}
+                  "additionalProperties:absent": "stricter",
+                  # outlines_core splices "any value" ({}) in as an unbracketed alternation
+                  # that breaks the object around it (docs/upstream-reports.md): invalid
+                  # output gets through, valid output is refused
+                  "schema:any": "post-check"}
 
 
 def create_masker(grammar: Grammar, tokenizer, vocab_size: int | None = None,

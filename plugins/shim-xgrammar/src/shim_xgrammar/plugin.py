@@ -22,7 +22,8 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   # compile_json_schema's strict_mode (on by default, kept here) refuses members
                   # a schema does not list where it says nothing about additionalProperties:
                   # valid instances refused, never an invalid one accepted
-                  "additionalProperties:absent": "stricter"}
+                  "additionalProperties:absent": "stricter",
+                  "schema:any": "exact"}
 
 
 @hookimpl
