@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from shim_adapters.evaluation.metrics import bootstrap_kl, language_kl, stability_curve
+from shim_adapters.evaluation.report import write_report
 from shim_adapters.evaluation.runner import EvalReport
 from shim_adapters.evaluation.scoring import MASKING
-
-from shim_adapters.evaluation.report import write_report
 
 
 def rescore_report(out_dir: str | Path, *, plots: bool = True) -> EvalReport:

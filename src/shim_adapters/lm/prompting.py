@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from shim_adapters.lm.sampling import eos_ids, prefill, sample
 from shim_adapters.lm.views import newline_token_ids
 
