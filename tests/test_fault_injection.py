@@ -82,3 +82,20 @@ def test_a_correct_masker_stays_green_on_gpt2(grammar):
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_each_state_dependent_defect_turns_the_run_red_on_gpt2(fault, grammar):
     _check_red(fault, "gpt2", grammar)
+
+
+def test_the_xgrammar_string_guard_leaves_an_escape_on_a_plain_token():
+    """shim-xgrammar's JSON string guard once stayed ESCAPED after the 'n' of a split '\\n'
+    escape, so the next quote reopened the string in its eyes and it refused whitespace
+    between members: the deep exhaustive states of note.json found it."""
+    from shim_xgrammar.byte_guards import IN_STRING, OUTSIDE, REFUSED, json_string_guard
+
+    tokens = [b'{"a":"', b"\\", b"n", b'",', b"\t", b"\x01"]
+    guard = json_string_guard(tokens, words=1)
+    state = guard.start
+    for token in range(4):
+        state = guard.step(state, token)
+    assert state == OUTSIDE  # '{"a":"\n",' ends outside the string
+    assert guard.step(state, 4) == OUTSIDE  # a tab between members is whitespace
+    assert guard.step(guard.step(guard.step(guard.start, 0), 1), 2) == IN_STRING
+    assert guard.step(IN_STRING, 5) == REFUSED  # a raw control inside a string still is not
