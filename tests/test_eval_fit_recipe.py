@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from shim_adapters import cli
+from shim_adapters.backends.registry import backends
 from shim_adapters.shim.fitting import CLI_EVIDENCE_BAND, FitRecipe, _Fit, _is_thin
 
 
@@ -49,7 +50,9 @@ def both(tmp_path_factory):
     d = tmp_path_factory.mktemp("recipe")
     (d / "g.lark").write_text('start: "a" "b"+\n')
     (d / "p.txt").write_text("Say ab:\n")
-    common = ["--grammar", d / "g.lark", "--prompt", d / "p.txt", "--backend", "syncode",
+    # SynCode in the default environment, XGrammar where it is not installed (transformers 5)
+    backend = "syncode" if "syncode" in backends() else "xgrammar"
+    common = ["--grammar", d / "g.lark", "--prompt", d / "p.txt", "--backend", backend,
               "--max-new-tokens", "8", "--max-samples", "48", "--evidence-band", "100"]
     fit = run("fit", *common, "--n-samples", "24", "--seed", "1", "--out", d / "fit")
     assert fit.exit_code == 0, fit.stderr

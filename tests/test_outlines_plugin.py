@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import transformers
 
 from shim_adapters.backends.registry import get_backend
 from shim_adapters.errors import (
@@ -454,6 +455,7 @@ def test_llguidance_tokenizer_is_rebuilt_from_the_byte_table(gguf_style_gpt2, gp
     sql = "SELECT * FROM t WHERE a != 1;"
     for token in gguf_style_gpt2.encode(sql):
         forced.advance(token)
-    assert gguf_style_gpt2.decode(gguf_style_gpt2.encode(sql)) != sql  # the clean-up is on
+    if transformers.__version__.startswith("4."):  # transformers 5 no longer rewrites ' !='
+        assert gguf_style_gpt2.decode(gguf_style_gpt2.encode(sql)) != sql  # the clean-up is on
     assert forced.text() == sql and forced.eos_allowed()
     assert _finished_walks(masker, gguf_style_gpt2, seed=3, walks=20) >= 10

@@ -68,16 +68,20 @@ def xgrammar_processor(lm, grammar: str):
 
 @pytest.fixture(scope="module")
 def syncode_cls(tmp_path_factory):
-    from shim_syncode._syncode_import import syncode_modules
-
-    syncode_modules()  # import SynCode without letting it rewire logging
-    import syncode.common as common
-
-    common.SYNCODE_CACHE = str(tmp_path_factory.mktemp("syncode_cache")) + "/"  # it pickles there
-    from syncode.grammar_mask.logits_processor import SyncodeLogitsProcessor
-    from syncode.parsers.grammars import Grammar as SyncodeGrammar
+    """SynCode's processor, imported at its first use: the other backends' cases share this
+    fixture and run where SynCode is not installed (transformers 5)."""
+    cache = str(tmp_path_factory.mktemp("syncode_cache")) + "/"  # SynCode pickles there
 
     def make(lm, grammar: str, **kwargs):
+        from shim_syncode._syncode_import import syncode_modules
+
+        syncode_modules()  # import SynCode without letting it rewire logging
+        import syncode.common as common
+
+        common.SYNCODE_CACHE = cache
+        from syncode.grammar_mask.logits_processor import SyncodeLogitsProcessor
+        from syncode.parsers.grammars import Grammar as SyncodeGrammar
+
         kwargs = dict(dict(use_cache=False, mode="grammar_strict"), **kwargs)
         return SyncodeLogitsProcessor(SyncodeGrammar(builtin_grammar(grammar).text),
                                       lm.tokenizer, **kwargs)

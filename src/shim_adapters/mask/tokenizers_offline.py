@@ -215,13 +215,53 @@ def _mistral_model_file() -> Path:
     return _package_file("mistral_common", "data", "tokenizer.model.v1")
 
 
-def _build_mistral_v1(out: Path) -> None:
-    from transformers import LlamaTokenizerFast
+def _sentencepiece_merges(model: Path) -> list[list[str]]:
+    """BPE merges in SentencePiece's order, as transformers 4's converter derives them: every
+    split of a piece into two pieces, pieces by score (highest first, ties in id order), the
+    splits of one piece by the ids of their halves. transformers 5 orders them otherwise,
+    which changes how runs of spaces merge."""
+    import sentencepiece
 
-    tok = LlamaTokenizerFast(vocab_file=str(_mistral_model_file()), legacy=True,
-                             add_prefix_space=True, add_bos_token=True, add_eos_token=False,
-                             from_slow=True,
-                             clean_up_tokenization_spaces=False)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    merges = []
+    for i in range(sp.get_piece_size()):
+        piece, score = sp.id_to_piece(i), sp.get_score(i)
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    return [[left, right] for left, right, _ in merges]
+
+
+def _sentencepiece_tokenizer(model: Path, *, add_bos_token: bool):
+    """A SentencePiece ``.model`` file as a fast tokenizer with SentencePiece's own pipeline:
+    "▁" prepended and every space written as "▁" by the normalizer, byte fallback, no
+    pre-tokenizer. transformers 4 converts to exactly this; transformers 5 converts to a
+    Metaspace pre-tokenizer that encodes leading spaces otherwise ("  two" as ▁▁ + two, where
+    SentencePiece gives ▁▁ + ▁two), so the pipeline is set here on both."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaTokenizerFast, PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(model, Path(tmp) / "tokenizer.model")
+        converted = LlamaTokenizerFast.from_pretrained(
+            tmp, local_files_only=True, legacy=True, from_slow=True,
+            add_bos_token=add_bos_token, add_eos_token=False)
+    spec = json.loads(converted.backend_tokenizer.to_str())
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    spec["pre_tokenizer"] = None
+    spec["model"]["unk_token"] = "<unk>"
+    spec["model"]["merges"] = _sentencepiece_merges(model)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def _build_mistral_v1(out: Path) -> None:
+    tok = _sentencepiece_tokenizer(_mistral_model_file(), add_bos_token=True)
     tok.save_pretrained(str(out))
     # The fast tokenizer is self-contained: drop the SentencePiece file and the options that
     # would make a reload convert from it again.
@@ -473,12 +513,8 @@ def load_local_tokenizer(path: str | Path, eos: str | int | None = None):
 
 def _sentencepiece_fast(model: Path):
     """A SentencePiece model as a fast tokenizer (byte fallback and ``▁`` kept)."""
-    from transformers import LlamaTokenizerFast
-
-
     try:
-        return LlamaTokenizerFast(vocab_file=str(model), legacy=True, add_bos_token=False,
-                                  add_eos_token=False, from_slow=True)
+        return _sentencepiece_tokenizer(model, add_bos_token=False)
     except Exception as exc:  # noqa: BLE001 - missing sentencepiece/protobuf, bad file
         raise ShimError(f"cannot read SentencePiece model {str(model)!r}: "
                         f"{type(exc).__name__}: {exc} (needs the sentencepiece and protobuf "
