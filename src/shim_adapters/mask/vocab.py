@@ -15,12 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for every byte (the inverse of its byte -> char table)."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+from shim_adapters.mask.byte_level import byte_level_alphabet
 
 
 @dataclass
@@ -89,7 +84,7 @@ class Vocabulary:
         n = len(self.tokenizer)
         table: list[bytes | None] = [None] * self.logits_width
         pieces = self.tokenizer.convert_ids_to_tokens(list(range(n)))
-        alphabet = _byte_level_alphabet() if self.scheme == "byte_level" else None
+        alphabet = byte_level_alphabet() if self.scheme == "byte_level" else None
         added = {a["id"]: a for a in self._definition.get("added_tokens", [])}
         for i, piece in enumerate(pieces):
             if i in self.special_ids or piece is None:

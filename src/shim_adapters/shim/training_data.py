@@ -353,7 +353,6 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
         raise VocabMismatchError(f"masker was compiled for logits of width {masker.vocab_size} "
                                  f"but the LM {lm.identifier} has {lm.vocab_size}")
     eos = eos_ids(lm, masker)
-    acceptor = reference_acceptor(masker.grammar)
     pre = prefilled if prefilled is not None else prefill(lm, prompt)
     gen = torch.Generator().manual_seed(seed)
     recorder = _RowRecorder(None if allowed_min_prob is None else float(np.log(allowed_min_prob)),
@@ -367,7 +366,27 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
                    batch_size=batch_size, generator=gen, recorder=recorder, progress=progress,
                    progress_label=f"sampling completions ({proposal})")
     sample_seconds = time.perf_counter() - t0
+    sampling = {"proposal": proposal, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                "allowed_min_prob": allowed_min_prob, "allowed_max_stored": allowed_max_stored,
+                "cut_at_first_refusal": not masked}
+    if controller is not None:
+        sampling["controller"] = {"kind": controller.kind,
+                                  "beta": float(getattr(controller, "beta_", float("nan"))),
+                                  "defensive": defensive}
+    return training_data_from_samples(drawn, recorder, masker, prompt=pre.prompt, eos=eos,
+                                      sampling=sampling, sample_seconds=sample_seconds,
+                                      lm_fields=lm_fingerprint(lm))
 
+
+def training_data_from_samples(drawn, recorder: "_RowRecorder", masker: Masker, *, prompt: str,
+                               eos, sampling: dict[str, Any], sample_seconds: float,
+                               lm_fields: dict[str, str]) -> TrainingData:
+    """Training data from completions and the rows recorded while they were drawn (or
+    replayed): labels from the reference acceptor, the manifest. ``drawn`` is a
+    :class:`~shim_adapters.lm.sampling.Samples`; ``lm_fields``: the LM's identifier and
+    revision (:func:`lm_fingerprint`)."""
+    acceptor = reference_acceptor(masker.grammar)
     comp_tokens = drawn.token_ids
     truncated = np.array([not (t and t[-1] in eos) for t in comp_tokens], dtype=bool)
     was_cut = np.array(drawn.cut, dtype=bool)
@@ -388,17 +407,9 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
     c_lps, _ = _ragged(drawn.lm_logprobs, np.float32)
     a_ids, a_off = _ragged(recorder.allowed_ids, np.int32)
     a_lps, _ = _ragged(recorder.allowed_lps, np.float32)
-    n = n_samples
-    sampling = {"proposal": proposal, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                "seed": seed, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-                "allowed_min_prob": allowed_min_prob, "allowed_max_stored": allowed_max_stored,
-                "cut_at_first_refusal": not masked}
-    if controller is not None:
-        sampling["controller"] = {"kind": controller.kind,
-                                  "beta": float(getattr(controller, "beta_", float("nan"))),
-                                  "defensive": defensive}
+    n = drawn.n
     manifest = {
-        "prompt": pre.prompt,
+        "prompt": prompt,
         "n_samples": n,
         "n_rows": len(rows),
         "n_states": len(recorder.states),
@@ -415,7 +426,7 @@ def sample_training_data(lm, masker: Masker, prompt: str, n_samples: int = 1000,
         "grammar_name": masker.grammar.name,
         "eos_token_ids": sorted(eos),
         **masker.fingerprint(),
-        **lm_fingerprint(lm),
+        **lm_fields,
         "feature_status": {k: _status_value(masker.feature_status.get(k)) for k in FEATURE_NAMES},
     }
     return TrainingData(
