@@ -209,7 +209,8 @@ def _corpus(args) -> int:
                + f" --tokenizer {args.tokenizer}"
                + (f" --corpus-every {args.corpus_every}" if args.corpus_every > 1 else "")
                + (f" --corpus-limit {args.corpus_limit}" if args.corpus_limit else "")
-               + (f" --out {args.out}" if args.out else ""))
+               + (f" --out {args.out}" if args.out else "")
+               + (f" --stem {args.stem}" if args.stem else ""))
     done = len({r.file for r in rows})
     note = (f"{done} of {len(files)} planned files done (the rest: rerun the command, it "
             "resumes)" if done < len(files) else "")
