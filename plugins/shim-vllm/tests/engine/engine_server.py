@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,11 @@ SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: the shipped LM needs a few MB per sequence
     "PYTHONUNBUFFERED": "1",
 }
+
+
+#: vLLM's per-iteration log line (``--enable-logging-iteration-details``)
+ITERATION_LINE = re.compile(r"Iteration\(\d+\): (\d+) context requests, \d+ context tokens, "
+                            r"(\d+) generation requests")
 
 
 def free_port() -> int:
@@ -114,6 +120,21 @@ class Server:
             time.sleep(2)
         raise TimeoutError(f"vLLM server not ready after {timeout_s:.0f} s; log: "
                            f"{self.log_path}\n{self.log_tail()}")
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def running_per_step(self, since: int = 0) -> list[int]:
+        """Requests (sequences) in each engine step logged after byte ``since`` of the log:
+        context + generation requests of vLLM's per-iteration line, which a server started
+        with ``--enable-logging-iteration-details`` writes."""
+        with self.log_path.open("rb") as fh:
+            fh.seek(since)
+            text = fh.read().decode(errors="replace")
+        return [int(ctx) + int(gen) for ctx, gen in ITERATION_LINE.findall(text)]
 
     def log_tail(self, n: int = 40) -> str:
         try:
