@@ -6,8 +6,8 @@ request's own output list, a finished request leaves and a new one takes its slo
 times, on the same states and logits, side by side:
 
 - ``vllm``: ``update_state`` + ``apply`` of the vLLM processor (states advance inside apply);
-- ``core_shim``: ``shim_adapters.correction.ShimLogitsProcessor`` on forks of the same states;
-- ``core_mask``: ``shim_adapters.generation.MaskedLogitsProcessor`` (masking only), same forks.
+- ``core_shim``: ``shim_adapters.shim.correction.ShimLogitsProcessor`` on forks of the same states;
+- ``core_mask``: ``shim_adapters.lm.generation.MaskedLogitsProcessor`` (masking only), same forks.
 
 Run in the environment of ``scripts/make_env.sh``::
 
@@ -51,18 +51,18 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import vllm
+    from shim_vllm.processor import VllmShimLogitsProcessor
+    from shim_vllm.request_args import parse_request_args
     from vllm import SamplingParams
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.v1.sample.logits_processor import BatchUpdateBuilder
 
-    from shim_adapters.controller import fit_controller
-    from shim_adapters.correction import ShimLogitsProcessor
-    from shim_adapters.generation import MaskedLogitsProcessor
-    from shim_adapters.grammar import builtin_grammar
-    from shim_adapters.lm import default_lm_path, load_lm
-    from shim_adapters.plugins import get_backend
-    from shim_vllm.processor import VllmShimLogitsProcessor
-    from shim_vllm.request_args import parse_request_args
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.grammars.grammar import builtin_grammar
+    from shim_adapters.lm.generation import MaskedLogitsProcessor
+    from shim_adapters.lm.loading import default_lm_path, load_lm
+    from shim_adapters.shim.correction import ShimLogitsProcessor
+    from shim_adapters.shim.fitting import fit_controller
 
     lm = load_lm(None)
     work = Path(tempfile.mkdtemp(prefix="shim-vllm-bench-"))

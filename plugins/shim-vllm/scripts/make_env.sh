@@ -34,6 +34,6 @@ for name in ("vllm", "torch", "transformers", "tokenizers", "xgrammar", "shim-ad
              "shim-xgrammar", "shim-vllm"):
     print(f"{name}=={md.version(name)}")
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
-import shim_adapters.correction, shim_vllm.processor
+import shim_adapters.shim.correction, shim_vllm.processor
 print("vllm.v1.sample.logits_processor and shim_vllm.processor import")
 PY
