@@ -48,7 +48,7 @@ from shim_adapters.errors import (
 )
 from shim_adapters.grammars.grammar import Grammar
 from shim_adapters.lm.generation import MaskedLogitsProcessor
-from shim_adapters.lm.loading import _WEIGHT_SUFFIXES, _content_hash
+from shim_adapters.lm.loading import _WEIGHT_SUFFIXES, files_digest
 from shim_adapters.mask.bitmask import bitmask_to_bool
 from shim_adapters.mask.protocol import Masker, MaskerState
 from shim_adapters.mask.utf8 import incomplete_tail, utf8_prefix_ok
@@ -174,7 +174,7 @@ def check_model(manifest: Mapping[str, Any], model, lm=None,
                         f"directory with weights), so it cannot check it is the one the "
                         f"controller was fitted with ({manifest.get('lm_identifier')!r}): pass "
                         f"lm=load_lm(...)")
-    found = _content_hash(weights)
+    found = files_digest(weights)
     if found != revision:
         raise ManifestMismatchError("lm_revision", found, revision, where)
 

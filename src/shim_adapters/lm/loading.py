@@ -107,7 +107,7 @@ def load_lm(spec: str | os.PathLike | None = None, *, dtype: torch.dtype = torch
             raise FileNotFoundError(f"{path}: no weights file (*.safetensors, *.bin, *.gguf) "
                                     f"in this model directory")
         model, tokenizer = _from_pretrained(path, dtype)
-    return _checked(model, tokenizer, identifier, _content_hash(weights))
+    return _checked(model, tokenizer, identifier, files_digest(weights))
 
 
 def _from_pretrained(directory: Path, dtype: torch.dtype, gguf_file: str | None = None):
@@ -165,15 +165,16 @@ def weights_digest(path: str | os.PathLike) -> str:
     from its weights files without loading the model."""
     path = Path(path).expanduser().resolve()
     if path.is_file():
-        return _content_hash([path])
+        return files_digest([path])
     weights = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
     if not weights:
         raise FileNotFoundError(f"{path}: no weights file (*.safetensors, *.bin, *.gguf) in "
                                 f"this model directory")
-    return _content_hash(weights)
+    return files_digest(weights)
 
 
-def _content_hash(files: list[Path]) -> str:
+def files_digest(files: list[Path]) -> str:
+    """sha256 over the weights files' names and bytes: an LM's revision in every manifest."""
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\0")

@@ -17,7 +17,6 @@ memoised on the weights files' stat signatures.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Mapping
 from huggingface_hub import snapshot_download
 
 from shim_adapters.errors import ManifestMismatchError
+from shim_adapters.lm.loading import files_digest
 
 #: The files load_lm hashes (shim_adapters.lm.loading).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
@@ -73,13 +73,7 @@ def weights_revision(model: str | os.PathLike, revision: str | None = None) -> s
         found = _REVISIONS.get(signature)
     if found is not None:
         return found
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + b"\0")
-        with file.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    value = digest.hexdigest()
+    value = files_digest(files)
     with _LOCK:
         _REVISIONS[signature] = value
     return value
