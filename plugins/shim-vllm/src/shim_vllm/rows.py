@@ -21,22 +21,19 @@ from shim_adapters.errors import ShimError
 from shim_adapters.mask.protocol import MaskerState
 
 from .binding import BoundController
-from .faults import RequestFault, report, stop_row
+from .faults import RequestFault, stop_row
+from .request_state import GREEDY_TEMPERATURE, ShimRequestState
 from .scoring import Target, row_mask, score_rows
 
 __all__ = ["GREEDY_TEMPERATURE", "EngineTokenError", "RequestRow", "apply_rows",
            "apply_rows_failing_closed", "row_mask"]
-
-#: Engines treat temperatures below this as greedy and do not divide by them (vLLM's value).
-GREEDY_TEMPERATURE = 1e-5
-
 
 class EngineTokenError(ShimError):
     """The engine's output token list holds something the processor cannot consume."""
 
 
 @dataclass
-class RequestRow:
+class RequestRow(ShimRequestState):
     """One request's SHIM state inside the engine's batch.
 
     ``state`` and ``bound`` are None only for a request that failed before it was bound
@@ -69,18 +66,7 @@ class RequestRow:
                     f"{state.describe()}")
             state.advance(token)  # ForbiddenTokenError names the token and the state
 
-    @property
-    def gamma_scale(self) -> float:
-        """Factor on log γ̂ so that the engine's later division by T leaves what the mode asks."""
-        if self.temperature_mode == "lm_only" and self.temperature >= GREEDY_TEMPERATURE:
-            return float(self.temperature)
-        return 1.0
 
-    def fail(self, exc: BaseException, where: str) -> None:
-        """Stop this request from now on, and say so once in the log."""
-        if self.fault is None:
-            self.fault = RequestFault.of(exc, self.controller)
-            report(self.fault, where)
 
 
 def apply_rows(logits: torch.Tensor, rows: Mapping[int, RequestRow]) -> torch.Tensor:

@@ -19,12 +19,12 @@ from typing import Sequence
 from shim_adapters.mask.protocol import MaskerState
 
 from .binding import BoundController
-from .faults import RequestFault, report
-from .rows import GREEDY_TEMPERATURE
+from .faults import RequestFault
+from .request_state import ShimRequestState
 
 
 @dataclass
-class SlotState:
+class SlotState(ShimRequestState):
     """One request's SHIM state in a V2 slot.
 
     ``state`` and ``bound`` are None only for a request that failed before it was bound."""
@@ -42,17 +42,7 @@ class SlotState:
     chain_tokens: tuple[int, ...] = ()
     chain_states: list[MaskerState | None] = field(default_factory=list)
 
-    @property
-    def gamma_scale(self) -> float:
-        if self.temperature_mode == "lm_only" and self.temperature >= GREEDY_TEMPERATURE:
-            return float(self.temperature)
-        return 1.0
 
-    def fail(self, exc: BaseException, where: str) -> None:
-        """Stop this request from now on, and say so once in the log."""
-        if self.fault is None:
-            self.fault = RequestFault.of(exc, self.controller)
-            report(self.fault, where)
 
     def restart(self) -> None:
         """Start over from an empty output (the engine restarted the request's output)."""
