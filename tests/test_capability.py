@@ -14,6 +14,7 @@ from shim_adapters.mask.capability import (
     StrictModeError,
     Support,
     capability_report,
+    check_strict,
     probe_schema_support,
     schema_constructs,
     validate_output,
@@ -122,6 +123,29 @@ def test_the_post_check_checks_format_and_lists_the_formats_it_can():
     assert validate_output(date, '"2022-02-28"').valid
     stamp = Grammar('{"type": "string", "format": "date-time"}', "json_schema", "stamp")
     assert not validate_output(stamp, '"2022-02-01T10:00:00"').valid  # no offset
+    # jsonschema[format-nongpl] is a core requirement: uri and hostname are checked too
+    uri = Grammar('{"type": "string", "format": "uri"}', "json_schema", "uri")
+    assert not validate_output(uri, '"not a uri"').valid
+    assert validate_output(uri, '"https://example.com/a?b=c"').valid
+
+
+def test_a_format_no_checker_covers_is_reported_unchecked_not_post_checked():
+    from shim_adapters.mask.capability import checked_formats
+
+    assert "no-such-format" not in checked_formats()
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "x": {"type": "string",
+                                                     "format": "no-such-format"}}}
+    grammar = Grammar(json.dumps(schema), "json_schema", "formats")
+    report = capability_report(grammar, get_backend("xgrammar"))
+    by = report.by_construct()
+    assert by["format"] is Support.POST_CHECK
+    assert by["format:unchecked:no-such-format"] is Support.UNCHECKED
+    [entry] = report.unchecked
+    assert entry.where == "/properties/x" and "date" in entry.note
+    assert not report.enforced and "1 not checked at all" in report.markdown()
+    with pytest.raises(StrictModeError, match="no-such-format"):
+        check_strict(report)
 
 
 def test_non_integer_multiple_of_and_unlisted_members_are_their_own_constructs():

@@ -11,7 +11,10 @@ therefore comes with a :class:`CapabilityReport` that says, per construct, wheth
 * ``stricter``: enforced more strictly than JSON Schema: the mask refuses some valid
   instances (never accepts an invalid one), e.g. XGrammar's ``strict_mode`` refusing members a
   schema does not list where it says nothing about ``additionalProperties``;
-* ``rejected``: the backend cannot take it at all.
+* ``rejected``: the backend cannot take it at all;
+* ``unchecked``: neither the mask nor the post-check checks it: a ``format`` the mask does
+  not enforce and no checker installed here validates (:func:`checked_formats` lists the ones
+  that are checked), so it is an annotation in fact, and reported as such.
 
 Backends declare their JSON-schema support in their :class:`~shim_adapters.backends.spec.BackendSpec`
 (``schema_support``); :func:`probe_schema_support` measures it on a real tokenizer, so a
@@ -21,6 +24,7 @@ Strict mode (:func:`check_strict`) refuses a grammar with any post-check or reje
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -39,6 +43,7 @@ class Support(str, Enum):
     POST_CHECK = "post-check"
     REJECTED = "rejected"
     STRICTER = "stricter"
+    UNCHECKED = "unchecked"
 
 
 #: Keywords that describe but never constrain (JSON Schema 2020-12 annotations and containers).
@@ -66,6 +71,9 @@ def construct_name(keyword: str, value: Any) -> str:
     if keyword == "multipleOf" and isinstance(value, (int, float)) and \
             not float(value).is_integer():
         return "multipleOf:non-integer"  # backends enforce integer steps only, if at all
+    if keyword == "format" and isinstance(value, str):
+        # the post-check validates a format only where a checker is installed for it
+        return "format" if value in checked_formats() else f"format:unchecked:{value}"
     return keyword
 
 
@@ -134,6 +142,10 @@ class CapabilityReport:
     def post_checked(self) -> tuple[ConstructReport, ...]:
         return tuple(e for e in self.entries if e.support is Support.POST_CHECK)
 
+    @property
+    def unchecked(self) -> tuple[ConstructReport, ...]:
+        return tuple(e for e in self.entries if e.support is Support.UNCHECKED)
+
     def by_construct(self) -> dict[str, Support]:
         """Each construct's weakest support over every place it is used."""
         order = list(Support)
@@ -155,6 +167,7 @@ class CapabilityReport:
         lines = [f"capability of {self.grammar_name} ({self.grammar_format}) on {self.backend}: "
                  + ("every construct enforced" if self.enforced else
                     f"{len(self.post_checked)} checked only after generation, "
+                    f"{len(self.unchecked)} not checked at all, "
                     f"{len(self.rejected)} rejected"), "",
                  "| where | construct | support | note |", "|---|---|---|---|"]
         lines += [f"| {e.where} | {e.construct} | {e.support.value} | {e.note} |"
@@ -204,7 +217,13 @@ def capability_report(grammar: Grammar, spec) -> CapabilityReport:
                 entries.append(ConstructReport(where, construct, Support.EXACT, "annotation"))
                 continue
             status = declared.get(construct)
-            if status is None:
+            if status is None and construct.startswith("format:unchecked:"):
+                entries.append(ConstructReport(
+                    where, construct, Support.UNCHECKED,
+                    f"no checker for format {construct.split(':', 2)[2]!r} is installed and "
+                    f"{spec.name} does not enforce it; checked formats: "
+                    f"{', '.join(checked_formats())}"))
+            elif status is None:
                 entries.append(ConstructReport(where, construct, Support.POST_CHECK,
                                                f"{spec.name} does not declare this keyword"))
             else:
@@ -235,7 +254,8 @@ def capability_report(grammar: Grammar, spec) -> CapabilityReport:
 
 def check_strict(report: CapabilityReport) -> None:
     """Strict mode: refuse a grammar the backend cannot enforce completely."""
-    weak = [e for e in report.entries if e.support in (Support.POST_CHECK, Support.REJECTED)]
+    weak = [e for e in report.entries
+            if e.support in (Support.POST_CHECK, Support.REJECTED, Support.UNCHECKED)]
     if weak:
         listed = ", ".join(f"{e.construct} at {e.where} ({e.support.value})" for e in weak)
         raise StrictModeError(f"strict mode: {report.backend} cannot enforce {listed}; use "
@@ -251,9 +271,11 @@ class OutputCheck:
     problems: tuple[str, ...] = ()
 
 
+@functools.lru_cache(maxsize=1)
 def checked_formats() -> tuple[str, ...]:
     """The ``format`` values the post-check validates (jsonschema's FormatChecker with the
-    format libraries installed here); any other format is an annotation only."""
+    format libraries installed here: ``jsonschema[format-nongpl]``); any other format is
+    reported ``unchecked``."""
     import jsonschema
 
     return tuple(sorted(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers))
