@@ -174,6 +174,32 @@ def test_shim_eval_fits_on_one_prompt_set_and_measures_on_another(cli_files):
     assert "fitted once on 2 prompts" in (out / "report.md").read_text()
 
 
+def test_shim_eval_compares_the_set_fit_with_each_prompts_own_fit(cli_files):
+    d, small = cli_files
+    out = d / "own"
+    ev = run("eval", *small, "--fit-prompts", d / "fit.jsonl", "--eval-prompts",
+             d / "eval.txt", "--own-fits", "--methods", "masking,lr_full", "--n-samples", "6",
+             "--n-train", "20", "--max-train", "20", "--mixture-samples", "6",
+             "--timing-samples", "0", "--asap-samples", "0", "--n-bootstrap", "5",
+             "--out", out)
+    assert ev.exit_code == 0, ev.stderr
+    case = json.loads((out / "report.json").read_text())["cases"][0]
+    assert case["methods"]["lr_full"]["fitted_on_prompts"] == 2
+    own = case["methods"]["lr_full_own"]
+    assert "fit_seconds" in own and "fitted_on_prompts" not in own
+    assert (out / "controllers" / case["name"] / "lr_full" / "manifest.json").is_file()
+    imp = case["importance"]
+    assert {"masking", "lr_full", "lr_full_own"} <= set(imp["kl"])
+    paired = imp["paired"]["lr_full − lr_full_own"]
+    # the paired difference is the difference of the two KLs on the same weighted draws
+    assert paired["diff"] == pytest.approx(imp["kl"]["lr_full"] - imp["kl"]["lr_full_own"],
+                                           abs=1e-9)
+    assert paired["ci"][0] <= paired["ci"][1]
+    assert "minus the case's own fit" in (out / "report.md").read_text()
+    alone = run("eval", *small, "--eval-prompts", d / "eval.txt", "--own-fits")
+    assert alone.exit_code == 2 and "--fit-prompts" in alone.stderr
+
+
 def test_shim_sample_warns_for_a_prompt_outside_the_fit(cli_files):
     d, _ = cli_files
     with pytest.warns(PromptOutsideFitWarning, match="not among its 2 fitted prompts"):

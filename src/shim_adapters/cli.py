@@ -682,6 +682,10 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
 @click.option("--controller", "controller_dir", default=None,
               help="Score this artefact (`shim fit --out DIR`) in place of the SHIM methods: "
                    "no refit.")
+@click.option("--own-fits", is_flag=True,
+              help="With --fit-prompts or --controller: every case also fits its own SHIM "
+                   "controllers (methods <kind>_own), compared with the given one on the same "
+                   "weighted draws (needs --mixture-samples).")
 @click.option("--exact", is_flag=True, help="One case: enumerate the (finite) language exactly.")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Benchmark data for the bv4/spider suites (e.g. ../shared/benchmarks/BV4).")
@@ -717,7 +721,8 @@ def explain_command(grammar_spec, grammar_format, backend, strict, lm_spec, prom
 @click.option("--out", "out_dir", default="runs/eval", show_default=True,
               type=click.Path(file_okay=False))
 def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text,
-                 eval_prompts_file, fit_prompts_file, controller_dir, exact, data_dir, lm_spec,
+                 eval_prompts_file, fit_prompts_file, controller_dir, own_fits, exact, data_dir,
+                 lm_spec,
                  backend, methods, n_samples, recipe_n_samples, target, rounds, max_samples,
                  evidence_band, text_features, stop_at_newline, chat, batch_size, asap_samples,
                  asap_batch_size, asap_checkpoints, timing_samples, n_bootstrap,
@@ -745,6 +750,9 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text,
     if controller_dir is not None and fit_prompts_file is not None:
         raise UserError("give --controller DIR (score it) or --fit-prompts FILE (fit on it), "
                         "not both")
+    if own_fits and controller_dir is None and fit_prompts_file is None:
+        raise UserError("--own-fits compares a given controller with per-prompt fits: give "
+                        "--fit-prompts FILE or --controller DIR too")
     if eval_prompts_file is not None and (prompt_file or prompt_text):
         raise UserError("give --eval-prompts FILE or --prompt/--prompt-text, not both")
     # the fit's recipe, built as `shim fit` builds it (max_new_tokens and seed are set per case)
@@ -788,7 +796,7 @@ def eval_command(suite, grammar_spec, grammar_format, prompt_file, prompt_text,
                       limit=limit, mixture_samples=mixture_samples, resume=resume,
                       chat=chat, recipe=recipe, n_train=recipe.n_samples,
                       controller_dir=controller_dir,
-                      fit_prompts=fit_prompts,
+                      fit_prompts=fit_prompts, own_fits=own_fits,
                       cases=tuple(c.strip() for c in cases.split(",")) if cases else None)
     click.echo(markdown(report))
     click.echo(f"wrote {out_dir}")

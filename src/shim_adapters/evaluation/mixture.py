@@ -20,6 +20,7 @@ stratified bootstrap (each method's draws resampled within that method).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 from scipy.special import logsumexp
@@ -52,6 +53,8 @@ class MixtureEstimate:
     #: Per proposal: ESS of its own draws weighted by p/q (how close q is to the target).
     own_ess: dict[str, float] = field(default_factory=dict)
     draws_per_proposal: dict[str, int] = field(default_factory=dict)
+    #: "a − b" -> KL(a) − KL(b) with its 95% CI, for the pairs asked for (paired draws).
+    paired: dict[str, dict] = field(default_factory=dict)
 
     @property
     def measurable(self) -> bool:
@@ -63,7 +66,8 @@ class MixtureEstimate:
                 "kl": self.kl, "kl_ci": {k: list(v) for k, v in self.kl_ci.items()},
                 "diff_to_masking": self.diff_to_masking,
                 "diff_ci": {k: list(v) for k, v in self.diff_ci.items()},
-                "own_ess": self.own_ess, "draws_per_proposal": self.draws_per_proposal}
+                "own_ess": self.own_ess, "draws_per_proposal": self.draws_per_proposal,
+                "paired": self.paired}
 
 
 def _ess(log_w: np.ndarray) -> float:
@@ -93,9 +97,11 @@ def mixture_log_weights(draws: MixtureDraws, lm_logprob: np.ndarray,
 
 
 def mixture_kl(draws: MixtureDraws, lm_logprob: np.ndarray, method_logprob: dict[str, np.ndarray],
-               *, masking: str = "masking", n_bootstrap: int = 200, seed: int = 0
-               ) -> MixtureEstimate:
-    """Every method's KL(p(·|G) ‖ q_m) on the pooled, balance-heuristic-weighted draws."""
+               *, masking: str = "masking", n_bootstrap: int = 200, seed: int = 0,
+               pairs: Sequence[tuple[str, str]] = ()) -> MixtureEstimate:
+    """Every method's KL(p(·|G) ‖ q_m) on the pooled, balance-heuristic-weighted draws;
+    for each ``(a, b)`` of ``pairs`` also KL(a) − KL(b) on the same draws (the target's
+    terms cancel: Σ w·(log q_b − log q_a)), with a bootstrap CI."""
     log_w = mixture_log_weights(draws, lm_logprob, method_logprob)
     n = len(log_w)
     ok = np.isfinite(log_w)
@@ -103,13 +109,16 @@ def mixture_kl(draws: MixtureDraws, lm_logprob: np.ndarray, method_logprob: dict
     lp = np.where(ok, lm_logprob[seq], 0.0)
     names = list(method_logprob)
     lq = {m: np.where(ok, method_logprob[m][seq], 0.0) for m in names}
+    pairs = [(a, b) for a, b in pairs if a in lq and b in lq]
+    pair_names = [f"{a} − {b}" for a, b in pairs]
 
     def estimate(idx: np.ndarray):
         lw = log_w[idx]
         fin = np.isfinite(lw)
         if not fin.any():
             nan = float("nan")
-            return nan, {m: nan for m in names}, {m: nan for m in names}
+            return (nan, {m: nan for m in names}, {m: nan for m in names},
+                    {p: nan for p in pair_names})
         top = lw[fin].max()
         w = np.where(fin, np.exp(lw - top), 0.0)
         p_valid = float(np.exp(top) * w.mean())
@@ -123,16 +132,24 @@ def mixture_kl(draws: MixtureDraws, lm_logprob: np.ndarray, method_logprob: dict
                 d = lq[masking][idx] - lq[m][idx]
                 with np.errstate(invalid="ignore"):
                     diff[m] = float(np.sum(np.where(wt > 0, wt * d, 0.0)))
-        return p_valid, kl, diff
+        between = {}
+        for (a, b), label in zip(pairs, pair_names):
+            with np.errstate(invalid="ignore"):
+                between[label] = float(np.sum(np.where(wt > 0, wt * (lq[b][idx] - lq[a][idx]),
+                                                       0.0)))
+        return p_valid, kl, diff, between
 
-    p_valid, kl, diff = estimate(np.arange(n))
+    p_valid, kl, diff, between = estimate(np.arange(n))
     rng = np.random.default_rng(seed)
     strata = [np.flatnonzero(draws.proposal == k) for k in range(len(draws.proposals))]
     boot_p, boot_kl, boot_diff = [], {m: [] for m in names}, {m: [] for m in names}
+    boot_between: dict[str, list[float]] = {p: [] for p in pair_names}
     for _ in range(n_bootstrap):
         idx = np.concatenate([rng.choice(s, size=len(s), replace=True) for s in strata if len(s)])
-        bp, bk, bd = estimate(idx)
+        bp, bk, bd, bb = estimate(idx)
         boot_p.append(bp)
+        for p in pair_names:
+            boot_between[p].append(bb[p])
         for m in names:
             boot_kl[m].append(bk[m])
             if m in bd:
@@ -160,7 +177,9 @@ def mixture_kl(draws: MixtureDraws, lm_logprob: np.ndarray, method_logprob: dict
         kl_ci={m: interval(boot_kl[m]) for m in names}, diff_to_masking=diff,
         diff_ci={m: interval(boot_diff[m]) for m in names if boot_diff[m]}, own_ess=own,
         draws_per_proposal={name: int(np.sum(draws.proposal == k))
-                            for k, name in enumerate(draws.proposals)})
+                            for k, name in enumerate(draws.proposals)},
+        paired={p: {"diff": between[p], "ci": list(interval(boot_between[p]))}
+                for p in pair_names})
 
 
 def format_kl(value: float, ci: tuple[float, float] | None, ess: float) -> str:

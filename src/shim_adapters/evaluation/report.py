@@ -294,6 +294,26 @@ def _importance_tables(r) -> list[str]:
             star = "*" if ci[1] < 0 or ci[0] > 0 else ""
             cells.append(f"{d:+.3f}{star} [{ci[0]:+.3f}, {ci[1]:+.3f}]")
         lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
+    pair_names = []
+    for c in cases:
+        pair_names += [p for p in c["importance"].get("paired", {}) if p not in pair_names]
+    if pair_names:
+        lines += ["", "### The given controller minus the case's own fit (KL difference, paired "
+                  "on the same weighted draws; negative: the given controller is closer to the "
+                  "target; * the 95% CI excludes 0)", "",
+                  "| case | " + " | ".join(pair_names) + " |", "|---|" + "---:|" * len(pair_names)]
+        for c in cases:
+            imp, cells = c["importance"], []
+            for p in pair_names:
+                entry = imp.get("paired", {}).get(p)
+                if entry is None or not imp["ess"] >= MIN_ESS:
+                    cells.append("—" if entry is None else
+                                 f"not measurable (ESS {imp['ess']:.3g})")
+                    continue
+                lo, hi = entry["ci"]
+                star = "*" if hi < 0 or lo > 0 else ""
+                cells.append(f"{entry['diff']:+.3f}{star} [{lo:+.3f}, {hi:+.3f}]")
+            lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
     lines += ["", "### SHIM fits, exact-target mode and cost", "",
               "| case | target (P(L) estimate) | LR_FULL β | fell back | exact-target ESS "
               "(LR_FULL proposal) | s / effective sample | " + " | ".join(

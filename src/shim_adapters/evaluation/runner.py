@@ -65,6 +65,12 @@ METHODS = ("masking", "lr_nt", "lr_full", "mlp", "asap", "rejection")
 SHIM_KINDS = {"lr_nt": "LR_NT", "lr_full": "LR_FULL", "mlp": "MLP"}
 #: The method name a controller of each kind is reported under.
 KIND_METHODS = {kind: name for name, kind in SHIM_KINDS.items()}
+#: Suffix of a case's own SHIM fit when a given controller is scored beside it.
+OWN_FIT = "_own"
+
+
+def _is_shim(method: str) -> bool:
+    return method in SHIM_KINDS or method.removesuffix(OWN_FIT) in SHIM_KINDS
 
 
 @dataclass
@@ -114,6 +120,10 @@ class EvalOptions:
     controller_dir: str | None = None
     #: Fit once on these prompts and score every case with that controller.
     fit_prompts: PromptSet | None = None
+    #: With ``controller_dir`` or ``fit_prompts``: every case also fits its own SHIM
+    #: controllers (methods ``<kind>_own``), so the given controller is compared with a
+    #: per-prompt fit on the same weighted draws (``importance.paired``).
+    own_fits: bool = False
 
     def fit_recipe(self, kind: str, max_new_tokens: int,
                    stop_at_newline: bool | str) -> FitRecipe:
@@ -208,6 +218,9 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
     if opts.controller_dir is not None and opts.fit_prompts is not None:
         raise ValueError("give controller_dir (score an artefact) or fit_prompts (fit on a "
                          "prompt set), not both")
+    if opts.own_fits and opts.controller_dir is None and opts.fit_prompts is None:
+        raise ValueError("own_fits compares a given controller with per-prompt fits: give "
+                         "controller_dir or fit_prompts too")
     if opts.controller_dir is not None:  # its kind stands in for the SHIM methods asked for
         kind = read_manifest(opts.controller_dir)["controller"]["kind"]
         shim = [m for m in methods if m in SHIM_KINDS]
@@ -368,6 +381,12 @@ def evaluate_case(case: EvalCase, lm, spec, methods: list[str], opts: EvalOption
             shim_info[name] = dict(given.info[name], prompt_in_fit_set=inside)
             warn_if_prompt_outside(given.manifests[name], case.prompt,
                                    opts.controller_dir or f"the {name} fit on --fit-prompts")
+        if opts.own_fits:  # the case's own fits beside the given ones, on the same draws
+            own_info: dict[str, dict] = {}
+            own = _fit_shim(case, base_lm, prepared, masker, list(given.controllers), opts,
+                            max_new, progress, own_info, out_dir)
+            adjusters.update({f"{k}{OWN_FIT}": v for k, v in own.items()})
+            shim_info.update({f"{k}{OWN_FIT}": v for k, v in own_info.items()})
     elif wanted_shim:
         adjusters.update(_fit_shim(case, base_lm, prepared, masker, wanted_shim, opts,
                                    max_new, progress, shim_info, out_dir))
@@ -564,7 +583,7 @@ def _mixture_fidelity(pre, masker, adjusters: dict[str, Any], draws, opts: EvalO
     unconstrained ones) estimate each method's KL to p(·|G) by importance sampling."""
     acceptor = reference_acceptor(masker.grammar)
     eos = eos_ids(pre.lm, masker)
-    names = ["lm"] + [m for m in adjusters if m == MASKING or m in SHIM_KINDS or
+    names = ["lm"] + [m for m in adjusters if m == MASKING or _is_shim(m) or
                       m == f"asap@{opts.asap_samples}"]
     seq_ids: dict[tuple[int, ...], int] = {}
     proposal, sequence = [], []
@@ -597,8 +616,10 @@ def _mixture_fidelity(pre, masker, adjusters: dict[str, Any], draws, opts: EvalO
                              {m: adjusters.get(m) for m in names[1:]})
     score_seconds = time.perf_counter() - t0
     mix = MixtureDraws(np.array(proposal), np.array(sequence), names)
+    pairs = [(m.removesuffix(OWN_FIT), m) for m in names
+             if m.endswith(OWN_FIT) and m.removesuffix(OWN_FIT) in names]
     est = mixture_kl(mix, scored.lm, scored.methods, n_bootstrap=opts.n_bootstrap,
-                     seed=opts.seed)
+                     seed=opts.seed, pairs=pairs)
     out = est.as_dict()
     out["cost"] = cost
     out["scoring_seconds"] = score_seconds
