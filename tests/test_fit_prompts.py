@@ -207,3 +207,21 @@ def test_shim_sample_warns_for_a_prompt_outside_the_fit(cli_files):
                   "Unrelated:\n", "--controller", d / "art", "-n", "1", "--max-new-tokens",
                   "4", "--seed", "0")
     assert out.exit_code == 0, out.stderr
+
+
+def test_sample_with_shim_warns_for_a_prompt_outside_the_fit(cli_files):
+    from shim_adapters.lm.loading import load_lm
+    from shim_adapters.shim.correction import sample_with_shim
+
+    d, _ = cli_files
+    lm = load_lm(None)
+    masker = get_backend("xgrammar").compile(builtin_grammar("json"), lm.tokenizer,
+                                             lm.vocab_size)
+    controller, manifest = load_controller(d / "art", masker, lm)
+    assert manifest["training"]["prompting"]["prompt_ids_sha256"]  # one per fitted prompt
+    assert len(manifest["training"]["prompting"]["prompt_ids_sha256"]) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PromptOutsideFitWarning)
+        sample_with_shim(lm, masker, controller, PROMPTS[1], 1, max_new_tokens=4, seed=0)
+    with pytest.warns(PromptOutsideFitWarning, match="sample_with_shim: the prompt is not"):
+        sample_with_shim(lm, masker, controller, "Unrelated:\n", 1, max_new_tokens=4, seed=0)

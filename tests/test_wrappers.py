@@ -614,3 +614,27 @@ def test_xgrammar_wrapper_masks_with_the_processors_grammar_without_running_it(l
 
     with pytest.raises(TypeError, match="LogitsProcessor itself, got Custom"):
         with_shim(Custom(masker.compiled), fitted_controller, tokenizer=lm.tokenizer)
+
+
+# ---- a prompt outside the fit is named (a warning, never an error) ---------------------------
+@pytest.mark.parametrize("how", ["shim_logits_processor", "xgrammar_wrapper"])
+def test_wrappers_warn_for_prompt_rows_outside_the_fit(lm, how):
+    import warnings
+
+    from shim_adapters.shim.prompt_set import PromptOutsideFitWarning
+
+    masker, controller = fitted(lm, "xgrammar", "binary5")
+    fitted_prompt = masker.grammar.default_prompt
+    make = ((lambda: shim_logits_processor(masker, controller)) if how == "shim_logits_processor"
+            else (lambda: wrap(lm, "xgrammar", "binary5")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PromptOutsideFitWarning)
+        sample(lm, make(), fitted_prompt, 2, seed=0)  # the fitted prompt: no warning
+    # two prompts in one left-padded batch: only the unfitted row is named
+    enc = lm.tokenizer.__class__.from_pretrained(lm.tokenizer.name_or_path, padding_side="left")(
+        [fitted_prompt, "A longer prompt, never fitted:\n" + fitted_prompt],
+        return_tensors="pt", padding=True)
+    with pytest.warns(PromptOutsideFitWarning, match=r"row\(s\) 1 is not among the prompt"):
+        with torch.no_grad():
+            lm.model.generate(**enc, logits_processor=[make()], max_new_tokens=4,
+                              eos_token_id=EOS, pad_token_id=EOS, **FAITHFUL_SAMPLING)

@@ -595,7 +595,8 @@ def sample_command(grammar_spec, grammar_format, backend, strict, lm_spec, promp
     _threads(threads)
     lm = load_lm(lm_spec)
     masker = _compile(setup, lm)
-    controller = (load_controller(controller_dir, masker, lm, prompt=setup.prompt)[0]
+    # sample_with_shim warns when the prompt is not one the controller was fitted on
+    controller = (load_controller(controller_dir, masker, lm)[0]
                   if controller_dir else None)
     out = sample_with_shim(lm, masker, controller, setup.prompt, num_samples,
                            max_new_tokens=max_new_tokens, seed=seed, **extra)

@@ -58,9 +58,11 @@ from shim_adapters.shim.artefact import (
     fitted_grammar,
     load_controller,
     read_manifest,
+    warn_outside_fit,
 )
 from shim_adapters.shim.controller import Controller
 from shim_adapters.shim.correction import ShimAdjuster
+from shim_adapters.shim.prompt_set import FittedPrompts
 
 #: What wrappers accept as a controller: an artefact directory, ``(controller, manifest)`` as
 #: :func:`~shim_adapters.shim.fitting.fit_controller` returns it, or a fitted controller (then
@@ -142,6 +144,7 @@ def bind_controller(controller: ControllerLike, masker: Masker, *,
     if not isinstance(fitted, Controller):
         raise TypeError(f"expected a fitted Controller, got {type(fitted).__name__}")
     check_manifest(found, masker, lm, "<controller manifest>")
+    fitted.fitted_prompts_ = FittedPrompts.from_manifest(found)  # what _begin compares with
     return fitted
 
 
@@ -257,6 +260,27 @@ class ShimWrapper(MaskedLogitsProcessor):
                 f"the first call has {rows} rows but the wrapper was made for batch_size="
                 f"{self.batch_size}: beam search (num_beams>1) is not supported, and "
                 f"num_return_sequences must be counted in batch_size (prompts x samples)")
+        self._warn_prompts_outside_fit(input_ids)
+
+    def _warn_prompts_outside_fit(self, input_ids: torch.LongTensor) -> None:
+        """A warning (never an error) naming the rows whose prompt, as token ids, is none of
+        those the controller was fitted on; left padding is not part of a prompt."""
+        fitted = getattr(self.controller, "fitted_prompts_", None)
+        if fitted is None or fitted.ids_sha256 is None:
+            return  # the manifest records no prompt ids: nothing to compare with
+        pad = getattr(self.masker.tokenizer, "pad_token_id", None)
+        outside = []
+        for row, ids in enumerate(input_ids.tolist()):
+            start = 0
+            while pad is not None and start < len(ids) and ids[start] == pad:
+                start += 1
+            # a pad id that is also the prompt's first token (pad = BOS) may start the prompt
+            if not any(fitted.has_ids(ids[k:]) for k in range(start, max(0, start - 1) - 1, -1)):
+                outside.append(row)
+        if outside:
+            rows = ", ".join(map(str, outside[:8])) + (" ..." if len(outside) > 8 else "")
+            warn_outside_fit(fitted, type(self).__name__,
+                             f"the prompt of row(s) {rows}", stacklevel=5)
 
     def _new_tokens(self, input_ids: torch.LongTensor) -> list[int | None]:
         """Each live row's single new token, after checking it continues the row's history.

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,7 +38,11 @@ from shim_adapters.grammars import BUILTIN_GRAMMARS, Grammar, builtin_grammar
 from shim_adapters.mask.protocol import FEATURE_NAMES, Masker
 from shim_adapters.shim.controller import CONTROLLERS, Controller
 from shim_adapters.shim.features import FeatureEncoder
-from shim_adapters.shim.prompt_set import fitted_on
+from shim_adapters.shim.prompt_set import (  # noqa: F401 (the warning is part of this API)
+    FittedPrompts,
+    PromptOutsideFitWarning,
+    warn_outside_fit,
+)
 
 FORMAT = "shim-adapters controller"
 FORMAT_VERSION = 1
@@ -243,10 +246,6 @@ def check_manifest(manifest: Mapping[str, Any], masker: Masker, lm=None,
                                     path)
 
 
-class PromptOutsideFitWarning(UserWarning):
-    """A controller is used with a prompt it was not fitted on."""
-
-
 def warn_if_prompt_outside(manifest: Mapping[str, Any], prompt: str | None, where: str) -> None:
     """Warn (never refuse) when ``prompt`` is not one the controller was fitted on.
 
@@ -254,15 +253,11 @@ def warn_if_prompt_outside(manifest: Mapping[str, Any], prompt: str | None, wher
     on Spider (SQL, SmolLM2) one fitted on instance 0000 cut the KL on three prompts it never
     saw about as much as their own fits did (``docs/prompt_transfer.md``), but nothing
     guarantees it for a prompt of another kind."""
-    if prompt is None or fitted_on(manifest, prompt) is not False:
+    if prompt is None:
         return
-    prompt_set = manifest.get("training", {}).get("prompt_set")
-    fitted = (f"its {prompt_set['size']} fitted prompts" if prompt_set else
-              "the prompt it was fitted on")
-    warnings.warn(f"{where}: the prompt is not among {fitted}; the correction is used outside "
-                  f"its fit (it usually transfers to prompts of the same task: see "
-                  f"docs/prompt_transfer.md; fit on a prompt set with `shim fit --prompts`)",
-                  PromptOutsideFitWarning, stacklevel=3)
+    fitted = FittedPrompts.from_manifest(manifest)
+    if fitted.has_text(prompt) is False:
+        warn_outside_fit(fitted, where, "the prompt", stacklevel=4)
 
 
 def load_controller(directory: str | Path, masker: Masker, lm=None, *,
@@ -302,5 +297,6 @@ def load_controller(directory: str | Path, masker: Masker, lm=None, *,
         if key in training:
             setattr(controller, attr, training[key])
     controller.prompting_ = dict(training.get("prompting", {}))  # chat, stop_at_newline
+    controller.fitted_prompts_ = FittedPrompts.from_manifest(manifest)  # the wrappers warn
     controller._prepare()
     return controller, manifest

@@ -15,7 +15,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from shim_adapters.lm.generation import MaskedGeneration, MaskedLogitsProcessor, masked_generation
+from shim_adapters.lm.generation import (
+    MaskedGeneration,
+    MaskedLogitsProcessor,
+    masked_generation,
+)
 from shim_adapters.lm.prompting import prefill_prompt
 from shim_adapters.lm.sampling import sample
 from shim_adapters.lm.views import stop_folded
@@ -23,6 +27,7 @@ from shim_adapters.mask.bitmask import numpy_view
 from shim_adapters.mask.protocol import Masker, MaskerState
 from shim_adapters.shim.controller import Controller
 from shim_adapters.shim.gamma_cache import DEFAULT_MAX_BYTES, shared_gamma_cache
+from shim_adapters.shim.prompt_set import warn_outside_fit
 
 _NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: Batches from this many rows take the summed γ + mask rows (see add_masked_log_gamma_).
@@ -237,6 +242,9 @@ def sample_with_shim(lm, masker: Masker, controller: Controller | None, prompt: 
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    prompts = getattr(controller, "fitted_prompts_", None)
+    if prompts is not None and prompts.has_text(prompt) is False:
+        warn_outside_fit(prompts, "sample_with_shim", "the prompt")
     fitted = getattr(controller, "prompting_", {}) or {}
     chat = bool(fitted.get("chat", False)) if chat is None else chat
     fold = bool(fitted.get("stop_at_newline", False)) if stop_at_newline is None \

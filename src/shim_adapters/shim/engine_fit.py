@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-
 from transformers import AutoConfig, AutoTokenizer
 
 from shim_adapters.errors import ShimError
@@ -41,6 +40,7 @@ from shim_adapters.shim.engine_rollouts import (
     replay_rollouts,
 )
 from shim_adapters.shim.fitting import FitRecipe, _write, run_recipe
+from shim_adapters.shim.prompt_set import prompt_ids_sha256
 from shim_adapters.shim.targets import make_targets
 from shim_adapters.shim.training_data import TrainingData
 
@@ -217,7 +217,8 @@ def fit_from_engines(urls: Sequence[str], masker: Masker, tokenizer, lm_path: st
                               settings, progress=recipe.progress)
     one_round = dataclasses.replace(recipe, rounds=1, max_samples=None)
     training: dict[str, Any] = {
-        "prompting": {"chat": False, "stop_at_newline": False},
+        "prompting": {"chat": False, "stop_at_newline": False,
+                      "prompt_ids_sha256": [prompt_ids_sha256(prompt_ids)]},
         "engine": {**rollouts.engine_record(), "collection": str(directory),
                    "rounds": "one round, no top-ups: the engine samples masked rollouts only"}}
     controller = run_recipe(rollouts, one_round, training)

@@ -51,7 +51,7 @@ from shim_adapters.lm.views import stop_folded
 from shim_adapters.mask.protocol import Masker
 from shim_adapters.shim.artefact import build_manifest, save_controller
 from shim_adapters.shim.controller import make_controller
-from shim_adapters.shim.prompt_set import PromptSet
+from shim_adapters.shim.prompt_set import FittedPrompts, PromptSet, prompt_ids_sha256
 from shim_adapters.shim.targets import (
     completion_log_ratio,
     effective_sample_size,
@@ -350,7 +350,8 @@ def _fit_prompt_set(lm, masker, recipe: FitRecipe, prompts: PromptSet, *, output
         InProcessRollouts(p.lm, masker, p.prefilled, max_new_tokens=recipe.max_new_tokens,
                           batch_size=recipe.batch_size, progress=recipe.progress)
         for p in prepared])
-    record = dict(head.record, probed_on="the set's first prompt")
+    record = dict(head.record, probed_on="the set's first prompt",
+                  prompt_ids_sha256=[h for p in prepared for h in p.record["prompt_ids_sha256"]])
     training: dict[str, Any] = {"prompting": record, "prompt_set": prompts.record()}
     controller = run_recipe(rollouts, recipe, training, first=first)
     return _write(controller, masker, lm, prompts.prompts[0], training, output_dir)
@@ -443,6 +444,8 @@ def prepare_prompt(lm, masker, prompt: str, recipe: FitRecipe) -> PreparedPrompt
     if fold:
         lm = stop_folded(lm, masker.eos_token_ids)
         pre = prefill(lm, pre.prompt, add_special_tokens=rendered.add_special_tokens)
+    # what a LogitsProcessor sees of its prompt: the wrappers compare it with the fit's
+    record["prompt_ids_sha256"] = [prompt_ids_sha256(pre.ids[0].tolist())]
     return PreparedPrompt(lm, pre, record)
 
 
@@ -451,14 +454,14 @@ def _prepare_given(lm, masker, prompt: str, recipe: FitRecipe, data, prefilled
     """A caller's prefill or data already fixed the LM view: no probe."""
     record: dict[str, Any] = {"chat": bool(recipe.chat),
                               "stop_at_newline": bool(recipe.stop_at_newline is True)}
-    if prefilled is not None:  # the caller rendered (chat) and prefilled the prompt already
-        return PreparedPrompt(lm, prefilled, record)
-    if data is not None:
+    if prefilled is None and data is None:
+        return prepare_prompt(lm, masker, prompt, recipe)
+    if prefilled is None:
         rendered = render_prompt(lm.tokenizer, prompt, recipe.chat)
-        return PreparedPrompt(lm, prefill(lm, rendered.text,
-                                          add_special_tokens=rendered.add_special_tokens),
-                              record)
-    return prepare_prompt(lm, masker, prompt, recipe)
+        prefilled = prefill(lm, rendered.text, add_special_tokens=rendered.add_special_tokens)
+    # else the caller rendered (chat) and prefilled the prompt already
+    record["prompt_ids_sha256"] = [prompt_ids_sha256(prefilled.ids[0].tolist())]
+    return PreparedPrompt(lm, prefilled, record)
 
 
 def _target_of_given(recipe: FitRecipe, data, training: dict[str, Any]) -> str:
@@ -673,6 +676,7 @@ def _write(controller, masker, lm, prompt: str, training: dict[str, Any],
                                    training=training)
     else:
         manifest = build_manifest(controller, masker, lm, prompt=prompt, training=training)
+    controller.fitted_prompts_ = FittedPrompts.from_manifest(manifest)  # the wrappers warn
     return controller, manifest
 
 

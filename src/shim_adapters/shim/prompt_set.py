@@ -5,20 +5,29 @@ a set of prompts (``shim fit --prompts FILE``) and judged on prompts it did not 
 file is either one prompt per line (blank lines skipped; the line's text without its newline)
 or JSON Lines with a ``"prompt"`` field per line (for prompts that span lines, e.g. few-shot
 prompts). The manifest records the set's size and sha256 and one sha256 per prompt, so a
-loaded controller can say when it meets a prompt outside the set (:func:`fitted_on`).
+loaded controller can say when it meets a prompt outside the set (:func:`fitted_on`); and, in
+``training.prompting.prompt_ids_sha256``, one sha256 per prompt of the token ids the LM was
+conditioned on (chat template and BOS included), which is all a ``LogitsProcessor`` sees of
+its prompt (:class:`FittedPrompts`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 def prompt_sha256(prompt: str) -> str:
     return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+
+def prompt_ids_sha256(ids: Sequence[int]) -> str:
+    """Of a prompt's token ids as the LM is conditioned on them (decimal, comma-separated)."""
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode("ascii")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -80,10 +89,50 @@ def read_prompt_set(path: str | Path) -> PromptSet:
 def fitted_on(manifest: Mapping[str, Any], prompt: str) -> bool | None:
     """Whether a controller's manifest says it was fitted on ``prompt`` (one of its set, or its
     one prompt); None when the manifest records no prompt."""
-    prompt_set = manifest.get("training", {}).get("prompt_set")
-    if prompt_set and prompt_set.get("prompt_sha256"):
-        return prompt_sha256(prompt) in set(prompt_set["prompt_sha256"])
-    fitted = manifest.get("prompt")
-    if fitted is None:
-        return None
-    return fitted == prompt
+    return FittedPrompts.from_manifest(manifest).has_text(prompt)
+
+
+@dataclass(frozen=True)
+class FittedPrompts:
+    """What a manifest says about the prompts its controller was fitted on: their texts'
+    sha256 and their token ids' sha256 (either may be unrecorded: None)."""
+
+    size: int
+    text_sha256: frozenset[str] | None
+    ids_sha256: frozenset[str] | None
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> "FittedPrompts":
+        training = manifest.get("training", {}) or {}
+        prompt_set = training.get("prompt_set") or {}
+        if prompt_set.get("prompt_sha256"):
+            texts = frozenset(prompt_set["prompt_sha256"])
+        elif manifest.get("prompt") is not None:
+            texts = frozenset({prompt_sha256(manifest["prompt"])})
+        else:
+            texts = None
+        ids = (training.get("prompting") or {}).get("prompt_ids_sha256")
+        return cls(int(prompt_set.get("size") or 1), texts,
+                   frozenset(ids) if ids else None)
+
+    def has_text(self, prompt: str) -> bool | None:
+        return None if self.text_sha256 is None else prompt_sha256(prompt) in self.text_sha256
+
+    def has_ids(self, ids: Sequence[int]) -> bool | None:
+        return None if self.ids_sha256 is None else prompt_ids_sha256(ids) in self.ids_sha256
+
+    def describe(self) -> str:
+        return (f"its {self.size} fitted prompts" if self.size > 1 else
+                "the prompt it was fitted on")
+
+
+class PromptOutsideFitWarning(UserWarning):
+    """A controller is used with a prompt it was not fitted on."""
+
+
+def warn_outside_fit(fitted: FittedPrompts, where: str, what: str, stacklevel: int = 3) -> None:
+    """The :class:`PromptOutsideFitWarning` for ``what`` (a prompt, some rows of a batch)."""
+    warnings.warn(f"{where}: {what} is not among {fitted.describe()}; the correction is used "
+                  f"outside its fit (it usually transfers to prompts of the same task: see "
+                  f"docs/prompt_transfer.md; fit on a prompt set with `shim fit --prompts`)",
+                  PromptOutsideFitWarning, stacklevel=stacklevel)
