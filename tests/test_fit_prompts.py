@@ -133,6 +133,8 @@ def test_shim_fit_prompts_records_the_set(cli_files):
     t = json.loads((d / "art" / "manifest.json").read_text())["training"]
     assert t["prompt_set"]["size"] == 2 and t["prompt_set"]["source"] == str(d / "fit.jsonl")
     assert t["heldout_holds_out"] == "prompts" and t["lm_samples_total"] == 20
+    card = (d / "art" / "MODEL_CARD.md").read_text()
+    assert f"a set of 2 from {d / 'fit.jsonl'}" in card
     both = run("fit", "--grammar", "json", "--prompts", d / "fit.jsonl", "--prompt-text", "x",
                "--out", d / "nope")
     assert both.exit_code == 2 and "not both" in both.stderr

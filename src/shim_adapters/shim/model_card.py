@@ -44,6 +44,14 @@ def summary_lines(manifest: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _prompt_line(first: str, prompt: str, prompt_set: Mapping[str, Any] | None) -> str:
+    if not prompt_set:
+        return f"- prompt: {first!r} ({len(prompt)} characters)"
+    return (f"- prompts: a set of {prompt_set.get('size')} from {prompt_set.get('source')} "
+            f"(sha256 {str(prompt_set.get('sha256'))[:16]}; trust judged on held-out prompts); "
+            f"the first: {first!r}")
+
+
 def model_card(manifest: Mapping[str, Any], capability=None) -> str:
     """Markdown: what the controller was fitted on, its held-out gain and fallback decision."""
     t = manifest.get("training", {})
@@ -54,7 +62,7 @@ def model_card(manifest: Mapping[str, Any], capability=None) -> str:
              "## Fitted on", "",
              f"- grammar: {manifest.get('grammar_name')} ({manifest.get('grammar_format')}), "
              f"sha256 {str(manifest.get('grammar_sha256'))[:16]}",
-             f"- prompt: {first!r} ({len(prompt)} characters)",
+             _prompt_line(first, prompt, t.get("prompt_set")),
              f"- backend: {manifest.get('backend')} {manifest.get('backend_version')}",
              f"- LM: {manifest.get('lm_identifier')} (weights sha256 "
              f"{str(manifest.get('lm_revision'))[:16]}), logits width "
