@@ -178,3 +178,37 @@ def test_pooled_target_weights_use_every_proposal(pooled):
     assert effective_sample_size(w) >= effective_sample_size(target_weights(pool))
     with pytest.raises(ValueError, match="add up to 70 completions but the pool holds 80"):
         mixture_target_weights(pool, [lq_mask, lq_shim], [40, 30])
+
+
+def test_a_masking_only_source_tops_up_with_masked_rollouts(shipped_lm, bv4):
+    """An engine samples masking only (``draws_controllers`` False): the top-ups still run,
+    drawing masked rollouts, and the controller is never asked to propose."""
+    from shim_adapters.shim.fitting import (
+        FitRecipe,
+        InProcessRollouts,
+        prepare_prompt,
+        run_recipe,
+    )
+
+    recipe = FitRecipe(n_samples=30, max_samples=70, target="rollout", progress=False,
+                       stop_at_newline=False, seed=4,
+                       controller_params=dict(FAST, min_target_samples=1e9))
+    prepared = prepare_prompt(shipped_lm, bv4, bv4.grammar.default_prompt, recipe)
+    source = InProcessRollouts(prepared.lm, bv4, prepared.prefilled, progress=False)
+    asked = []
+
+    class MaskingOnly:
+        draws_controllers = False
+
+        def draw(self, n, proposal, seed, controller=None, defensive=0.0):
+            asked.append((proposal, controller, defensive))
+            return source.draw(n, proposal, seed, controller, defensive)
+
+    training: dict = {}
+    c = run_recipe(MaskingOnly(), recipe, training)
+    assert [r["kind"] for r in training["rounds"]] == ["first draw", "top-up", "top-up"]
+    assert [r["lm_samples"] for r in training["rounds"]] == [30, 30, 10]
+    assert asked == [("masked", None, 0.0)] * 3
+    assert all(r["proposal"] == "masked" for r in training["rounds"])
+    assert all(r["proposal_beta"] is None for r in training["rounds"][1:])
+    assert training["lm_samples_total"] == 70 and c.falls_back_to_masking_

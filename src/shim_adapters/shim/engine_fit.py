@@ -8,10 +8,12 @@ fitting steps as the in-process fit (:func:`~shim_adapters.shim.fitting.run_reci
 
 What differs from the in-process fit, and why:
 
-- Only masked rollouts come from the engine. Later rounds and thin-evidence top-ups draw from a
-  defensive mixture of masking and the current controller, which the engine's processor does
-  not sample; so an engine fit runs one round without top-ups (``training.engine`` says so),
-  and a fit that is not trusted for want of evidence falls back to masking as usual.
+- Only masked rollouts come from the engine. In process, later rounds and thin-evidence
+  top-ups draw from a defensive mixture of masking and the current controller, which the
+  engine's processor does not sample; so an engine fit's later rounds and top-ups (held-out
+  evidence thin, up to ``max_samples``) draw more masked rollouts
+  (``EngineRollouts.draws_controllers`` is False; ``training.rounds`` records each draw's
+  proposal). A fit still not trusted at the cap falls back to masking as usual.
 - The prompt is used as given (no chat template, no newline folding probe: both need the
   LM's own logits here).
 """
@@ -111,13 +113,17 @@ class EngineRollouts:
         return collect_rollouts(self.clients, self.model, store, n, self.prompt_ids, seed,
                                 self.settings, progress=self.progress)
 
+    #: The engine's processor runs in masking mode: later rounds and top-ups draw masked
+    #: rollouts too (a controller's defensive mixture would need the per-step allowed mass of
+    #: both distributions, which the engine's log-probs do not carry).
+    draws_controllers = False
+
     def draw(self, n: int, proposal: str, seed: int, controller=None,
              defensive: float = 0.0) -> TrainingData:
         if proposal != "masked":
             raise ValueError(f"engine rollouts are masked rollouts; a {proposal!r} draw needs "
                              f"the controller's defensive mixture inside the engine, which its "
-                             f"processor does not sample (an engine fit runs one round without "
-                             f"top-ups)")
+                             f"processor does not sample (draws_controllers is False)")
         records = self.records(n, seed)
         return replay_rollouts(records, self.masker, prompt=self.prompt,
                                eos=self.masker.eos_token_ids, seed=seed, settings=self.settings,
@@ -215,13 +221,13 @@ def fit_from_engines(urls: Sequence[str], masker: Masker, tokenizer, lm_path: st
     prompt_ids = list(tokenizer(prompt)["input_ids"])
     rollouts = EngineRollouts(clients, model, masker, prompt, prompt_ids, lm, directory,
                               settings, progress=recipe.progress)
-    one_round = dataclasses.replace(recipe, rounds=1, max_samples=None)
     training: dict[str, Any] = {
         "prompting": {"chat": False, "stop_at_newline": False,
                       "prompt_ids_sha256": [prompt_ids_sha256(prompt_ids)]},
         "engine": {**rollouts.engine_record(), "collection": str(directory),
-                   "rounds": "one round, no top-ups: the engine samples masked rollouts only"}}
-    controller = run_recipe(rollouts, one_round, training)
+                   "proposals": "masked in every round and top-up (the engine samples "
+                                "masking only)"}}
+    controller = run_recipe(rollouts, recipe, training)
     return _write(controller, masker, lm, prompt, training, output_dir)
 
 

@@ -192,7 +192,11 @@ class Rollouts(Protocol):
     """Where a fit's completions come from: ``draw`` returns replayed
     :class:`~shim_adapters.shim.training_data.TrainingData` for ``n`` completions from the
     proposal ``"lm"``, ``"masked"`` or ``"shim"`` (``controller``, mixed with masking by
-    ``defensive``)."""
+    ``defensive``). ``draws_controllers`` False: the source samples masking only (an engine
+    whose processor runs in masking mode), so every later round and top-up draws masked
+    rollouts: more evidence from the same proposal, never a controller's."""
+
+    draws_controllers: bool
 
     def draw(self, n: int, proposal: str, seed: int, controller=None,
              defensive: float = 0.0) -> TrainingData: ...
@@ -208,6 +212,7 @@ class InProcessRollouts:
     max_new_tokens: int = 128
     batch_size: int = 64
     progress: bool = True
+    draws_controllers = True
 
     def draw(self, n: int, proposal: str, seed: int, controller=None,
              defensive: float = 0.0) -> TrainingData:
@@ -252,6 +257,10 @@ class PromptSetRollouts:
     held-out criterion holds out whole prompts)."""
 
     sources: list
+
+    @property
+    def draws_controllers(self) -> bool:
+        return all(getattr(s, "draws_controllers", True) for s in self.sources)
 
     def draw(self, n: int, proposal: str, seed: int, controller=None,
              defensive: float = 0.0) -> TrainingData:
@@ -577,6 +586,8 @@ def _refit_rounds(fit: _Fit, recipe: FitRecipe, rollouts: Rollouts, sizes: list[
             return
         n_draw = sizes[r - 1] if regular else min(topup_size, fit.cap - fit.spent)
         proposer, mix = _next_proposal(fit, recipe, thin)
+        if proposer is not None and not getattr(rollouts, "draws_controllers", True):
+            proposer, mix = None, 0.0  # a masking-only source: more masked evidence
         fresh = rollouts.draw(n_draw, "masked" if proposer is None else "shim",
                               recipe.seed + 1000 * r, proposer, mix)
         fit.spent += n_draw
@@ -626,16 +637,19 @@ def _topup_entry(r: int, fit: _Fit, fresh, candidate, proposer, mix: float,
                    f"near the floor: held-out target ESS {ess:.3g} below "
                    f"{recipe.evidence_band:g} x the floor {floor:g} (decision "
                    f"'{before.fallback_reason_ or 'trusted'}' not yet stable)"),
-        "proposal_beta": float(proposer.beta_), "proposal_defensive": float(mix),
+        # None: a masking-only source (draws_controllers False) drew plain masked rollouts
+        "proposal_beta": None if proposer is None else float(proposer.beta_),
+        "proposal_defensive": float(mix),
         "heldout_ess_before": float(before.heldout_effective_samples_),
         "heldout_ess_after": float(candidate.heldout_effective_samples_),
         "decision_after": candidate.decision_, "lm_samples_total": int(fit.spent),
         # the same pool weighted by each completion's own proposal ratio, for contrast
         "heldout_ess_own_ratio": effective_sample_size(target_weights(fit.pool))})
-    log.warning("top-up %d: %d LM samples from the untrusted fit (β %.3g, defensive %.2g): "
-                "held-out ESS %.3g -> %.3g; %s", r, fresh.n_completions, proposer.beta_, mix,
-                before.heldout_effective_samples_, candidate.heldout_effective_samples_,
-                candidate.decision_)
+    source = ("masking (the source samples masking only)" if proposer is None else
+              f"the untrusted fit (β {proposer.beta_:.3g}, defensive {mix:.2g})")
+    log.warning("top-up %d: %d LM samples from %s: held-out ESS %.3g -> %.3g; %s", r,
+                fresh.n_completions, source, before.heldout_effective_samples_,
+                candidate.heldout_effective_samples_, candidate.decision_)
     return entry
 
 
