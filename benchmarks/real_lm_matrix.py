@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from shim_adapters.evaluation import run_eval
     from shim_adapters.evaluation.runner import EvalReport
     from shim_adapters.evaluation.suites import load_suite
+    from shim_adapters.shim.fitting import CLI_EVIDENCE_BAND, FitRecipe
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="the benchmarks folder (BV4/, SLIA/, ...)")
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--asap-samples", type=int, default=100)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--target", default="auto")
+    p.add_argument("--evidence-band", type=float, default=None,
+                   help="the fit's evidence band (default: the shim commands' own)")
+    p.add_argument("--text-features", choices=("off", "on", "auto"), default="off")
     p.add_argument("--spider-limit", type=int, default=4)
     p.add_argument("--first", default="",
                    help="comma-separated problem names to run before the others of their suite")
@@ -84,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.n_train > a.max_train > 0:
         p.error(f"--n-train {a.n_train} exceeds --max-train {a.max_train}")
     torch.set_num_threads(1)
+    # the recipe `shim fit` and `shim eval` run (their evidence band), per case its kind, seed
+    # and max_new_tokens are set by the evaluation
+    recipe = FitRecipe(n_samples=a.n_train, target=a.target, rounds=a.rounds,
+                       max_samples=a.max_train or None, batch_size=64,
+                       evidence_band=(CLI_EVIDENCE_BAND if a.evidence_band is None
+                                      else a.evidence_band),
+                       text_features=a.text_features)
     redo = {n for n in a.redo.split(",") if n}
     only = {n for n in a.only.split(",") if n}
     if redo:
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                      asap_batch_size=20, asap_checkpoints=(0, 20, 100), timing_samples=0,
                      n_bootstrap=200, batch_size=64, target=a.target, rounds=a.rounds,
                      max_train=a.max_train or None, mixture_samples=a.mixture_samples,
-                     resume=True)
+                     recipe=recipe, resume=True)
     return 0
 
 

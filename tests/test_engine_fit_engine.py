@@ -215,9 +215,12 @@ def test_a_mismatched_engine_is_refused_before_any_rollout(server, lm, tmp_path)
     assert not (tmp_path / "collection").exists()
 
 
-def test_settings_of_the_engine_record_are_in_the_manifest(server, lm, tmp_path):
+def test_settings_of_the_engine_record_are_in_the_manifest_and_top_ups_run(server, lm,
+                                                                           tmp_path):
     masker = _masker(lm, "binary5")
-    recipe = dataclasses.replace(_recipe(3), n_samples=40)
+    # a floor no pool reaches: the fit tops up to the cap, with masked rollouts from the engine
+    recipe = dataclasses.replace(_recipe(3), n_samples=40, max_samples=60,
+                                 controller_params={"min_target_samples": 1e9})
     _, manifest = fit_from_engines([server.url], masker, lm.tokenizer, ENGINE_LM,
                                    masker.grammar.default_prompt, recipe, tmp_path / "c",
                                    output_dir=tmp_path / "a", top_logprobs=32)
@@ -225,6 +228,11 @@ def test_settings_of_the_engine_record_are_in_the_manifest(server, lm, tmp_path)
     assert engine["model_root"] == str(ENGINE_LM)
     assert engine["top_logprobs"] == 32 and engine["temperature"] == 1.0
     assert (tmp_path / "a" / "manifest.json").exists()
+    rounds = manifest["training"]["rounds"]
+    assert [r["kind"] for r in rounds] == ["first draw", "top-up"]
+    assert [r["lm_samples"] for r in rounds] == [40, 20]
+    assert all(r["proposal"] == "masked" for r in rounds)
+    assert manifest["training"]["lm_samples_total"] == 60
 
 
 def test_an_engine_that_dies_mid_collection_leaves_a_resumable_state(server, lm, tmp_path):
