@@ -48,3 +48,47 @@ def test_the_corpus_command_writes_its_report_with_the_command(benchmark_data, t
 def test_the_corpus_command_refuses_a_missing_directory(tmp_path, capsys):
     assert conformance_main(["--corpus", str(tmp_path / "nope")]) == 2
     assert "usage error" in capsys.readouterr().err
+
+
+def _heavy_file(tmp_path):
+    """A MaskBench-format file whose walks take seconds of CPU: many long valid strings."""
+    import json
+
+    tests = [{"description": f"long {i}", "valid": True, "data": "word " * 300 + str(i)}
+             for i in range(60)]
+    path = tmp_path / "heavy.json"
+    path.write_text(json.dumps({"schema": {"type": "string"}, "tests": tests}))
+    return path
+
+
+def test_a_file_over_its_cpu_budget_is_a_cpu_timeout_and_a_waiting_one_hits_the_net(
+        tmp_path, monkeypatch):
+    from shim_adapters.conformance import corpus
+
+    path = _heavy_file(tmp_path)
+    worker = corpus._Worker("default")
+    try:
+        row = worker.run(path, "xgrammar", timeout_s=0.3)
+        assert row.timeout and row.timeout_kind == "cpu" and not row.compiled
+        # a budget no file reaches, and a wall-clock net shorter than the walks take
+        monkeypatch.setattr(corpus, "WALL_NET_FACTOR", 1e-4)
+        row = worker.run(path, "xgrammar", timeout_s=1e3)
+        assert row.timeout and row.timeout_kind == "wall"
+        monkeypatch.setattr(corpus, "WALL_NET_FACTOR", 10.0)
+        row = worker.run(path, "xgrammar", timeout_s=1e3)  # the same file, finished
+        assert not row.timeout and row.compiled and row.valid == 60
+    finally:
+        worker.stop()
+
+
+def test_a_wall_clock_timeout_in_an_old_log_runs_again(tmp_path):
+    import json
+
+    from shim_adapters.conformance.corpus import CorpusRow
+
+    path = _heavy_file(tmp_path)
+    log = tmp_path / "rows.jsonl"
+    log.write_text(json.dumps({**CorpusRow(path.name, "xgrammar", timeout=True).__dict__,
+                               "timeout_kind": None}) + "\n")
+    [row] = run_corpus([path], ["xgrammar"], "default", log, progress=None)
+    assert not row.timeout and row.valid == 60  # measured, not read back

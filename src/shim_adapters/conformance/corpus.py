@@ -6,8 +6,11 @@ capability report, the compile, then every instance serialised as MaskBench does
 canonical tokenization and one random non-canonical split. Counted per backend:
 
 - compiled / compile errors (the backend refused or crashed) / timeouts (the file, compile
-  and walks, did not finish within ``file_timeout_s``: its worker process is killed, a new
-  one takes the next file);
+  and walks, used more than ``file_timeout_s`` seconds of CPU time in its worker process:
+  the worker is killed, a new one takes the next file). The budget is CPU time, so a file
+  counts the same on an idle laptop and on a loaded CI machine; a wall-clock net of
+  ``WALL_NET_FACTOR`` x the budget catches a worker that waits without computing (its row
+  says ``timeout_kind: "wall"``);
 - validation errors: a valid instance refused (canonical tokenization);
 - invalidation errors: an invalid instance accepted (EOS allowed at its end), split into
   **silent** ones (the capability report claimed every construct enforced: a defect of our
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
+import psutil
 
 from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance.runner import resolve_tokenizer
@@ -41,9 +45,12 @@ from shim_adapters.grammars.grammar import Grammar
 from shim_adapters.mask.capability import capability_report, validate_output
 from shim_adapters.mask.vocab import Vocabulary
 
-#: Seconds one file (compile and every instance) may take in its worker before it is killed
-#: and counted as a timeout. Some real-world schemas take minutes to compile.
+#: CPU seconds one file (compile and every instance) may use in its worker before it is
+#: killed and counted as a timeout. Some real-world schemas take minutes to compile.
 FILE_TIMEOUT_S = 60.0
+#: A worker still running after this many times the budget in wall-clock time is killed too
+#: (a wait that uses no CPU, e.g. a deadlock, never reaches a CPU budget).
+WALL_NET_FACTOR = 10.0
 
 
 @dataclass
@@ -56,6 +63,8 @@ class CorpusRow:
     compile_error: str | None = None
     compile_seconds: float = 0.0
     timeout: bool = False
+    #: "cpu" (the CPU budget was spent) or "wall" (the wall-clock net) for a timeout.
+    timeout_kind: str | None = None
     enforced: bool | None = None
     valid: int = 0
     invalid: int = 0
@@ -202,6 +211,15 @@ def _worker(conn, tokenizer_spec) -> None:
         conn.send(asdict(row))
 
 
+def _cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU time of ``process`` (every thread), 0 once it has exited."""
+    try:
+        times = process.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return times.user + times.system
+
+
 class _Worker:
     """One worker process; killed and replaced when a file overruns its timeout."""
 
@@ -224,19 +242,28 @@ class _Worker:
     def run(self, path: Path, backend: str, timeout_s: float) -> CorpusRow:
         if self.proc is None or not self.proc.is_alive():
             self.start()
+        worker = psutil.Process(self.proc.pid)
+        cpu_start = _cpu_seconds(worker)
         self.conn.send((str(path), backend))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.is_alive():
-            if self.conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+        wall_deadline = time.monotonic() + WALL_NET_FACTOR * timeout_s
+        kind = None
+        while self.proc.is_alive():
+            if self.conn.poll(0.5):
                 return CorpusRow(**self.conn.recv())
-        if not self.proc.is_alive():  # crashed hard (a segfault in a backend): a count
+            if _cpu_seconds(worker) - cpu_start > timeout_s:
+                kind = "cpu"
+                break
+            if time.monotonic() > wall_deadline:
+                kind = "wall"
+                break
+        if kind is None:  # crashed hard (a segfault in a backend): a count
             self.proc = None
             return CorpusRow(file=path.name, backend=backend,
                              compile_error="the worker process died (a crash in the backend)")
         self.proc.kill()
         self.proc.join()
         self.proc = None
-        return CorpusRow(file=path.name, backend=backend, timeout=True)
+        return CorpusRow(file=path.name, backend=backend, timeout=True, timeout_kind=kind)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.is_alive():
@@ -249,10 +276,13 @@ def run_corpus(files: Iterable[Path], backends: Sequence[str], tokenizer_spec="d
                progress: Callable[[str], None] | None = print,
                file_timeout_s: float = FILE_TIMEOUT_S) -> list[CorpusRow]:
     """Every file through every backend, each in a worker process that is killed past
-    ``file_timeout_s``; rows already in ``log_path`` are kept (a resumed run)."""
+    ``file_timeout_s`` of CPU time; rows already in ``log_path`` are kept (a resumed run)."""
     done: dict[tuple[str, str], CorpusRow] = {}
     if log_path is not None and Path(log_path).exists():
-        done = {(row.file, row.backend): row for row in read_rows(log_path)}
+        # a timeout without its kind was a wall-clock cap, which depends on the machine's
+        # load: not a measurement of the file, so it runs again under the CPU budget
+        done = {(row.file, row.backend): row for row in read_rows(log_path)
+                if not (row.timeout and row.timeout_kind is None)}
     rows = []
     worker = _Worker(tokenizer_spec)
     try:
