@@ -75,8 +75,31 @@ def test_a_file_over_its_cpu_budget_is_a_cpu_timeout_and_a_waiting_one_hits_the_
         row = worker.run(path, "xgrammar", timeout_s=1e3)
         assert row.timeout and row.timeout_kind == "wall"
         monkeypatch.setattr(corpus, "WALL_NET_FACTOR", 10.0)
+        monkeypatch.setattr(corpus, "MEMORY_BUDGET_BYTES", 1)  # any worker is over it
+        row = worker.run(path, "xgrammar", timeout_s=1e3)
+        assert row.timeout and row.timeout_kind == "memory"
+        monkeypatch.setattr(corpus, "MEMORY_BUDGET_BYTES", 6 * 2**30)
         row = worker.run(path, "xgrammar", timeout_s=1e3)  # the same file, finished
         assert not row.timeout and row.compiled and row.valid == 60
+        assert "timeouts" in corpus.to_markdown([row], "cmd")
+    finally:
+        worker.stop()
+
+
+def test_a_worker_killed_from_outside_is_a_count_and_the_next_file_runs(tmp_path):
+    import threading
+
+    from shim_adapters.conformance import corpus
+
+    path = _heavy_file(tmp_path)
+    worker = corpus._Worker("default")
+    try:
+        worker.start()
+        threading.Timer(1.0, worker.proc.kill).start()  # as the OOM killer would
+        row = worker.run(path, "xgrammar", timeout_s=1e3)
+        assert row.compile_error.startswith("the worker process died") and not row.timeout
+        row = worker.run(path, "xgrammar", timeout_s=1e3)  # a fresh worker takes the next
+        assert row.compiled and row.valid == 60
     finally:
         worker.stop()
 

@@ -10,7 +10,8 @@ canonical tokenization and one random non-canonical split. Counted per backend:
   the worker is killed, a new one takes the next file). The budget is CPU time, so a file
   counts the same on an idle laptop and on a loaded CI machine; a wall-clock net of
   ``WALL_NET_FACTOR`` x the budget catches a worker that waits without computing (its row
-  says ``timeout_kind: "wall"``);
+  says ``timeout_kind: "wall"``), and a worker past ``MEMORY_BUDGET_BYTES`` of resident
+  memory is killed as well (``"memory"``); the report breaks the timeouts down by kind;
 - validation errors: a valid instance refused (canonical tokenization);
 - invalidation errors: an invalid instance accepted (EOS allowed at its end), split into
   **silent** ones (the capability report claimed every construct enforced: a defect of our
@@ -51,6 +52,10 @@ FILE_TIMEOUT_S = 60.0
 #: A worker still running after this many times the budget in wall-clock time is killed too
 #: (a wait that uses no CPU, e.g. a deadlock, never reaches a CPU budget).
 WALL_NET_FACTOR = 10.0
+#: A worker whose resident memory passes this is killed too (a schema whose compile blows up:
+#: one took 18 GiB before the system's OOM killer stopped it); its row says
+#: ``timeout_kind: "memory"``.
+MEMORY_BUDGET_BYTES = 6 * 2**30
 
 
 @dataclass
@@ -63,7 +68,8 @@ class CorpusRow:
     compile_error: str | None = None
     compile_seconds: float = 0.0
     timeout: bool = False
-    #: "cpu" (the CPU budget was spent) or "wall" (the wall-clock net) for a timeout.
+    #: "cpu" (the CPU budget was spent), "memory" (the memory budget) or "wall" (the
+    #: wall-clock net) for a timeout.
     timeout_kind: str | None = None
     enforced: bool | None = None
     valid: int = 0
@@ -211,6 +217,13 @@ def _worker(conn, tokenizer_spec) -> None:
         conn.send(asdict(row))
 
 
+def _rss_bytes(process: psutil.Process) -> int:
+    try:
+        return process.memory_info().rss
+    except psutil.Error:
+        return 0
+
+
 def _cpu_seconds(process: psutil.Process) -> float:
     """User + system CPU time of ``process`` (every thread), 0 once it has exited."""
     try:
@@ -244,22 +257,29 @@ class _Worker:
             self.start()
         worker = psutil.Process(self.proc.pid)
         cpu_start = _cpu_seconds(worker)
-        self.conn.send((str(path), backend))
         wall_deadline = time.monotonic() + WALL_NET_FACTOR * timeout_s
         kind = None
-        while self.proc.is_alive():
-            if self.conn.poll(0.5):
-                return CorpusRow(**self.conn.recv())
-            if _cpu_seconds(worker) - cpu_start > timeout_s:
-                kind = "cpu"
-                break
-            if time.monotonic() > wall_deadline:
-                kind = "wall"
-                break
+        try:
+            self.conn.send((str(path), backend))
+            while self.proc.is_alive():
+                if self.conn.poll(0.5):
+                    return CorpusRow(**self.conn.recv())
+                if _cpu_seconds(worker) - cpu_start > timeout_s:
+                    kind = "cpu"
+                elif _rss_bytes(worker) > MEMORY_BUDGET_BYTES:
+                    kind = "memory"
+                elif time.monotonic() > wall_deadline:
+                    kind = "wall"
+                if kind is not None:
+                    break
+        except (BrokenPipeError, EOFError, ConnectionResetError):
+            pass  # the worker died under us (killed from outside, e.g. by the OOM killer)
         if kind is None:  # crashed hard (a segfault in a backend): a count
+            self.proc.join(5)
             self.proc = None
             return CorpusRow(file=path.name, backend=backend,
-                             compile_error="the worker process died (a crash in the backend)")
+                             compile_error="the worker process died (a crash in the backend, "
+                                           "or killed from outside)")
         self.proc.kill()
         self.proc.join()
         self.proc = None
@@ -267,7 +287,10 @@ class _Worker:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.is_alive():
-            self.conn.send(None)
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
             self.proc.join(10)
 
 
@@ -328,6 +351,10 @@ def summary(rows: Sequence[CorpusRow]) -> dict[str, dict]:
         s["compiled"] += row.compiled
         s["compile_errors"] += row.compile_error is not None
         s["timeouts"] += row.timeout
+        if row.timeout:
+            kinds = s.setdefault("timeout_kinds", {})
+            kind = row.timeout_kind or "wall (older log)"
+            kinds[kind] = kinds.get(kind, 0) + 1
         for key in ("valid", "invalid", "validation_errors", "invalidation_errors",
                     "silent_invalidation_errors", "post_check_caught", "post_check_missed",
                     "noncanonical_valid_refused"):
@@ -335,6 +362,13 @@ def summary(rows: Sequence[CorpusRow]) -> dict[str, dict]:
         s["plugin_us"] += row.plugin_us
         s["raw_us"] += row.raw_us
     return out
+
+
+def _timeouts_cell(s: dict) -> str:
+    kinds = s.get("timeout_kinds") or {}
+    if not kinds:
+        return str(s["timeouts"])
+    return f"{s['timeouts']} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})"
 
 
 def to_markdown(rows: Sequence[CorpusRow], command: str, note: str = "") -> str:
@@ -349,7 +383,7 @@ def to_markdown(rows: Sequence[CorpusRow], command: str, note: str = "") -> str:
     stats = summary(rows)
     for backend, s in stats.items():
         lines.append(f"| {backend} | {s['files']} | {s['compiled']} | {s['compile_errors']} | "
-                     f"{s['timeouts']} | {s['valid']} | {s['validation_errors']} | "
+                     f"{_timeouts_cell(s)} | {s['valid']} | {s['validation_errors']} | "
                      f"{s['invalid']} | {s['invalidation_errors']} | "
                      f"**{s['silent_invalidation_errors']}** | {s['post_check_caught']} | "
                      f"{s['post_check_missed']} | {s['noncanonical_valid_refused']} |")
