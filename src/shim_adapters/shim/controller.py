@@ -315,6 +315,8 @@ class Controller:
         #: Why the fit fell back: ``"no_target_samples"``, ``"low_target_samples"`` (the
         #: evidence is too thin to judge: more samples may decide), ``"no_gain"``; None if not.
         self.fallback_reason_ = None
+        # with a prompt set the folds hold out whole prompts (cv_groups_ "groups")
+        held_out = "prompts" if getattr(self, "cv_groups_", "") == "groups" else "completions"
         if not has_masking:
             self.falls_back_to_masking_ = False
             self.decision_ = "β grid has no 0: masking was not a candidate"
@@ -333,7 +335,7 @@ class Controller:
         elif best_b == 0 or not gain > max(self.min_gain_se * se, MIN_GAIN_NATS):
             self.falls_back_to_masking_ = True
             self.fallback_reason_ = "no_gain"
-            self.decision_ = (f"correction does not help on held-out completions (best β "
+            self.decision_ = (f"correction does not help on held-out {held_out} (best β "
                               f"{betas[best_b]:g} gains {gain:.3g} ± {se:.3g} nats per target "
                               f"sample, needs > {self.min_gain_se:g} SE and > "
                               f"{MIN_GAIN_NATS:g}); falling back to β=0 "
@@ -342,7 +344,7 @@ class Controller:
             self.falls_back_to_masking_ = False
             self.decision_ = (f"correction helps: β {betas[best_b]:g} gains {gain:.3g} ± "
                               f"{se:.3g} nats per target sample over masking on held-out "
-                              f"completions")
+                              f"{held_out}")
 
     def untrusted_candidate(self) -> "Controller":
         """A copy scoring at the best held-out β even where that β was not trusted.
