@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from shim_adapters.lm.prompting import detect_line_answers, render_prompt
 from shim_adapters.lm.sampling import prefill
 from shim_adapters.shim.correction import sample_with_shim
 from shim_adapters.shim.fitting import fit_controller
+from shim_adapters.shim.prompt_set import PromptOutsideFitWarning
 
 torch.set_num_threads(1)
 FAST = dict(n_splits=3, reg_grid=(1.0,))
@@ -99,8 +102,13 @@ def test_line_answer_probe_measures_where_answers_end(shipped_lm, binary5):
 def test_sampling_uses_the_lm_view_the_controller_was_fitted_on(shipped_lm, binary5):
     c, _ = fit_controller(shipped_lm, binary5, n_samples=80, progress=False,
                           stop_at_newline=True, **FAST)
-    assert c.prompting_ == {"chat": False, "stop_at_newline": True}
-    out = sample_with_shim(shipped_lm, binary5, c, RARE_PROMPT, 4, max_new_tokens=12, seed=0)
+    assert {k: c.prompting_[k] for k in ("chat", "stop_at_newline")} == \
+        {"chat": False, "stop_at_newline": True}
+    assert len(c.prompting_["prompt_ids_sha256"]) == 1  # the fitted prompt, as token ids
+    with warnings.catch_warnings():  # RARE_PROMPT is the default prompt it was fitted on
+        warnings.simplefilter("error", PromptOutsideFitWarning)
+        out = sample_with_shim(shipped_lm, binary5, c, RARE_PROMPT, 4, max_new_tokens=12,
+                               seed=0)
     assert all(out.complete)
     with pytest.raises(ValueError, match="num_samples"):
         sample_with_shim(shipped_lm, binary5, c, RARE_PROMPT, 0)
