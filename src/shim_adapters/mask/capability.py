@@ -84,6 +84,11 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
     if "properties" in schema and "additionalProperties" not in schema:
         # JSON Schema allows members the schema does not list; a strict backend refuses them
         yield pointer or "/", "additionalProperties:absent"
+    if "anyOf" in schema and any(k not in ANNOTATIONS and k not in ("anyOf", "$defs",
+                                                                    "definitions")
+                                 for k in schema):
+        # the instance must satisfy the siblings too: a backend may compile the branches alone
+        yield pointer or "/", "anyOf:with-siblings"
     for keyword, value in schema.items():
         where = f"{pointer}/{keyword}"
         if keyword == "patternProperties" and isinstance(value, dict):
@@ -91,7 +96,11 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
                 yield where, construct_name("patternProperties", pattern)
                 yield from schema_constructs(sub, f"{where}/{pattern}")
             continue
-        if keyword not in ("$defs", "definitions"):
+        if keyword == "multipleOf" and construct_name(keyword, value) == "multipleOf" and \
+                schema.get("type") != "integer":
+            # an integer step on a number (or untyped) value: backends enforce integers only
+            yield pointer or "/", "multipleOf:number"
+        elif keyword not in ("$defs", "definitions"):
             yield pointer or "/", construct_name(keyword, value)
         if keyword in _SUBSCHEMA:
             if keyword == "items" and (value == {} or value is True):
@@ -347,6 +356,11 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
     ("pattern:lookaround", {"type": "string", "pattern": "^(?!ab)[a-z]{2}$"}, "aa", "ab"),
     ("multipleOf", {"type": "integer", "multipleOf": 3}, 6, 4),
     ("multipleOf:non-integer", {"type": "number", "multipleOf": 0.01}, 0.05, 10000.001),
+    # an integer step on a non-integer type: 1.5 is not a multiple of 1.0
+    ("multipleOf:number", {"type": "number", "multipleOf": 1.0}, 3, 1.5),
+    # anyOf next to other keywords of the same schema: the instance must satisfy both
+    ("anyOf:with-siblings", {"type": "object", "properties": {"a": {"type": "integer"}},
+                             "anyOf": [{"required": ["a"]}]}, {"a": 1}, {"a": "x"}),
     ("additionalProperties:absent", {"type": "object", "properties": {"a": {"type": "integer"}},
                                      "required": ["a"]}, {"a": 1, "z": 2}, {"a": "x"}),
     ("schema:any", {"type": "object", "properties": {"a": {}}, "required": ["a"],

@@ -32,6 +32,8 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   "pattern:lookaround": "rejected",
                   # measured: the probe's valid and invalid numbers are both refused
                   "multipleOf:non-integer": "stricter",
+                  "multipleOf:number": "exact",
+                  "anyOf:with-siblings": "exact",
                   # outlines_core, like XGrammar's strict_mode, refuses members a schema does
                   # not list where it says nothing about additionalProperties
                   "additionalProperties:absent": "stricter",
