@@ -91,3 +91,31 @@ def test_cache_can_be_switched_off(monkeypatch, value):
     monkeypatch.setenv("SHIM_CACHE_DIR", value)
     assert cache_dir() is None and CompileCache().get(cache_key(builtin_grammar("sql"),
                                                                 **BASE)) is None
+
+
+def test_an_entry_the_backend_calls_too_big_is_built_but_not_stored(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHIM_CACHE_MIN_SECONDS", "0")
+    cache = CompileCache(tmp_path)
+    key = cache_key(builtin_grammar("sql"), "xgrammar", "0", "tok", 8, {})
+    built = cache.get_or_build(key, lambda: "big", str, str, worth_storing=lambda r: False)
+    assert built == "big" and cache.get(key) is None
+    cache.get_or_build(key, lambda: "small", str, str, worth_storing=lambda r: True)
+    assert cache.get(key) == "small"
+
+
+def test_xgrammar_keeps_large_compiled_grammars_out_of_the_cache(tmp_path, monkeypatch):
+    import shim_xgrammar.masker as xgr_masker
+
+    from shim_adapters.backends.registry import get_backend
+    from shim_adapters.lm.loading import load_lm
+
+    lm = load_lm(None)
+    monkeypatch.setenv("SHIM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SHIM_CACHE_MIN_SECONDS", "0")
+    stored = lambda: list(tmp_path.rglob("*.json"))  # noqa: E731
+    monkeypatch.setattr(xgr_masker, "MAX_CACHED_GRAMMAR_BYTES", 0)  # every grammar is "large"
+    get_backend("xgrammar").compile(builtin_grammar("sql"), lm.tokenizer, lm.vocab_size)
+    assert stored() == []
+    monkeypatch.setattr(xgr_masker, "MAX_CACHED_GRAMMAR_BYTES", 2**20)
+    get_backend("xgrammar").compile(builtin_grammar("sql"), lm.tokenizer, lm.vocab_size)
+    assert len(stored()) == 1

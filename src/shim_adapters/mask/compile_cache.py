@@ -129,9 +129,11 @@ class CompileCache:
             return
 
     def get_or_build(self, key: Mapping[str, str], build: Callable[[], Any],
-                     dump: Callable[[Any], str], load: Callable[[str], Any]) -> Any:
+                     dump: Callable[[Any], str], load: Callable[[str], Any],
+                     worth_storing: Callable[[Any], bool] | None = None) -> Any:
         """``load`` the cached entry, else ``build`` it and store ``dump(result)`` when the
-        build was slow enough to be worth reading back."""
+        build was slow enough to be worth reading back and ``worth_storing(result)`` (the
+        backend's say on the entry's size: a serialisation can cost far more than a build)."""
         payload = self.get(key)
         if payload is not None:
             try:
@@ -141,7 +143,8 @@ class CompileCache:
                 self.misses += 1
         start = time.perf_counter()
         result = build()
-        if time.perf_counter() - start >= min_build_seconds():
+        if time.perf_counter() - start >= min_build_seconds() and \
+                (worth_storing is None or worth_storing(result)):
             self.put(key, dump(result))
         return result
 
