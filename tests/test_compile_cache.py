@@ -119,3 +119,16 @@ def test_xgrammar_keeps_large_compiled_grammars_out_of_the_cache(tmp_path, monke
     monkeypatch.setattr(xgr_masker, "MAX_CACHED_GRAMMAR_BYTES", 2**20)
     get_backend("xgrammar").compile(builtin_grammar("sql"), lm.tokenizer, lm.vocab_size)
     assert len(stored()) == 1
+
+
+def test_an_oversized_entry_is_neither_written_nor_read(tmp_path, monkeypatch):
+    import shim_adapters.mask.compile_cache as cc
+
+    cache = CompileCache(tmp_path)
+    key = cache_key(builtin_grammar("sql"), "xgrammar", "0", "tok", 8, {})
+    cache.put(key, "x" * 100)
+    assert cache.get(key) == "x" * 100
+    monkeypatch.setattr(cc, "MAX_ENTRY_BYTES", 50)
+    assert cache.get(key) is None and not list(tmp_path.rglob("*.json"))  # dropped
+    cache.put(key, "x" * 100)
+    assert not list(tmp_path.rglob("*.json"))

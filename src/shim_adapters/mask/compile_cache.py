@@ -42,6 +42,11 @@ def cache_dir() -> Path | None:
     return Path(base) / "shim-adapters"
 
 
+#: An entry larger than this is neither written nor read (a read one is deleted): at about
+#: 50 µs per KiB it would take seconds to load and its JSON several times its size in memory.
+MAX_ENTRY_BYTES = 64 * 2**20
+
+
 def min_build_seconds() -> float:
     try:
         return float(os.environ.get("SHIM_CACHE_MIN_SECONDS", "0.1"))
@@ -98,8 +103,14 @@ class CompileCache:
     def get(self, key: Mapping[str, str]) -> str | None:
         if self.directory is None:
             return None
+        path = self._path(key)
         try:
-            entry = json.loads(self._path(key).read_text(encoding="utf-8"))
+            if path.stat().st_size > MAX_ENTRY_BYTES:
+                # reading it back costs more than compiling (and GBs of memory): drop it
+                path.unlink(missing_ok=True)
+                self.misses += 1
+                return None
+            entry = json.loads(path.read_text(encoding="utf-8"))
             ok = (entry.get("format") == FORMAT and entry.get("format_version") == FORMAT_VERSION
                   and entry.get("key") == dict(key)
                   and hashlib.sha256(entry["payload"].encode()).hexdigest()
@@ -113,7 +124,7 @@ class CompileCache:
         return entry["payload"]
 
     def put(self, key: Mapping[str, str], payload: str) -> None:
-        if self.directory is None:
+        if self.directory is None or len(payload) > MAX_ENTRY_BYTES:
             return
         path = self._path(key)
         entry = {"format": FORMAT, "format_version": FORMAT_VERSION, "key": dict(key),
