@@ -84,6 +84,10 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
     if "properties" in schema and "additionalProperties" not in schema:
         # JSON Schema allows members the schema does not list; a strict backend refuses them
         yield pointer or "/", "additionalProperties:absent"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        # both must hold; a backend may enforce only one of them
+        yield pointer or "/", "pattern:with-length"
+        yield pointer or "/", "length:with-pattern"
     if "anyOf" in schema and any(k not in ANNOTATIONS and k not in ("anyOf", "$defs",
                                                                     "definitions")
                                  for k in schema):
@@ -358,6 +362,11 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
     ("multipleOf:non-integer", {"type": "number", "multipleOf": 0.01}, 0.05, 10000.001),
     # an integer step on a non-integer type: 1.5 is not a multiple of 1.0
     ("multipleOf:number", {"type": "number", "multipleOf": 1.0}, 3, 1.5),
+    # a pattern together with a length bound: each must hold (backends drop one of the two)
+    ("pattern:with-length", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abc",
+     "ab1"),
+    ("length:with-pattern", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abc",
+     "abcd"),
     # anyOf next to other keywords of the same schema: the instance must satisfy both
     ("anyOf:with-siblings", {"type": "object", "properties": {"a": {"type": "integer"}},
                              "anyOf": [{"required": ["a"]}]}, {"a": 1}, {"a": "x"}),

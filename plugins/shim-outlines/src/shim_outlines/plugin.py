@@ -34,6 +34,10 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   "multipleOf:non-integer": "stricter",
                   "multipleOf:number": "exact",
                   "anyOf:with-siblings": "exact",
+                  # a pattern beside minLength/maxLength: the length holds, the pattern does
+                  # not (MaskBench Github_easy---o50679: "ABC1@3" through ^[\+\w-]{5,96}$)
+                  "pattern:with-length": "post-check",
+                  "length:with-pattern": "exact",
                   # outlines_core, like XGrammar's strict_mode, refuses members a schema does
                   # not list where it says nothing about additionalProperties
                   "additionalProperties:absent": "stricter",

@@ -24,6 +24,10 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   # anyOf beside other keywords compiles its branches alone, dropping the
                   # siblings (docs/upstream-reports.md): {"a": "x"} passes properties a:integer
                   "anyOf:with-siblings": "post-check",
+                  # "pattern combined with minLength/maxLength is not supported; ignoring
+                  # minLength/maxLength": the pattern holds, the length bound does not
+                  "pattern:with-length": "exact",
+                  "length:with-pattern": "post-check",
                   # compile_json_schema's strict_mode (on by default, kept here) refuses members
                   # a schema does not list where it says nothing about additionalProperties:
                   # valid instances refused, never an invalid one accepted
