@@ -56,6 +56,7 @@ _SUBSCHEMA = {"not", "if", "then", "else", "items", "additionalProperties", "con
               "additionalItems"}
 _SCHEMA_MAP = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 _SCHEMA_LIST = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _LOOKAROUND = re.compile(r"\(\?(=|!|<=|<!)")
 _BACKREF = re.compile(r"\\[1-9]|\(\?P=")
 
@@ -88,6 +89,15 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
         # both must hold; a backend may enforce only one of them
         yield pointer or "/", "pattern:with-length"
         yield pointer or "/", "length:with-pattern"
+    if "format" in schema:
+        # a backend may build a format's own regex and drop the schema's other string bounds
+        if "minLength" in schema or "maxLength" in schema:
+            yield pointer or "/", "length:with-format"
+        if "pattern" in schema:
+            yield pointer or "/", "pattern:with-format"
+    if "multipleOf" in schema and any(k in schema for k in _NUMERIC_BOUNDS):
+        # a step inside a range: a backend may enumerate a short range only, or drop the step
+        yield pointer or "/", "multipleOf:with-bound"
     if "anyOf" in schema and any(k not in ANNOTATIONS and k not in ("anyOf", "$defs",
                                                                     "definitions")
                                  for k in schema):
@@ -367,6 +377,13 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
      "ab1"),
     ("length:with-pattern", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abc",
      "abcd"),
+    # a length bound or a pattern beside a format: each must hold
+    ("length:with-format", {"type": "string", "format": "email", "maxLength": 7}, "a@b.com",
+     "ab@cd.com"),
+    ("pattern:with-format", {"type": "string", "format": "email", "pattern": "^a"}, "a@b.com",
+     "b@c.com"),
+    # a step beside a one-sided bound: 7 is at least 0 but no multiple of 5
+    ("multipleOf:with-bound", {"type": "integer", "minimum": 0, "multipleOf": 5}, 10, 7),
     # anyOf next to other keywords of the same schema: the instance must satisfy both
     ("anyOf:with-siblings", {"type": "object", "properties": {"a": {"type": "integer"}},
                              "anyOf": [{"required": ["a"]}]}, {"a": 1}, {"a": "x"}),

@@ -38,6 +38,11 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   # not (MaskBench Github_easy---o50679: "ABC1@3" through ^[\+\w-]{5,96}$)
                   "pattern:with-length": "post-check",
                   "length:with-pattern": "exact",
+                  # beside a format the length holds (the format, post-check everywhere, does
+                  # not); a pattern beside a format does not compile
+                  "length:with-format": "exact",
+                  "pattern:with-format": "rejected",
+                  "multipleOf:with-bound": "post-check",
                   # outlines_core, like XGrammar's strict_mode, refuses members a schema does
                   # not list where it says nothing about additionalProperties
                   "additionalProperties:absent": "stricter",

@@ -28,6 +28,14 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   # minLength/maxLength": the pattern holds, the length bound does not
                   "pattern:with-length": "exact",
                   "length:with-pattern": "post-check",
+                  # "format combined with minLength/maxLength is not supported" likewise, and
+                  # a pattern beside a format is dropped without a warning
+                  "length:with-format": "post-check",
+                  "pattern:with-format": "post-check",
+                  # "range + multipleOf combination not yet supported; ignoring multipleOf":
+                  # a step is kept only in a short range bounded on both sides (enumerated),
+                  # dropped beside a one-sided or a wide range
+                  "multipleOf:with-bound": "post-check",
                   # compile_json_schema's strict_mode (on by default, kept here) refuses members
                   # a schema does not list where it says nothing about additionalProperties:
                   # valid instances refused, never an invalid one accepted
