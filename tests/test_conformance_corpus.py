@@ -48,6 +48,21 @@ def test_the_corpus_command_writes_its_report_with_the_command(benchmark_data, t
 def test_the_corpus_command_refuses_a_missing_directory(tmp_path, capsys):
     assert conformance_main(["--corpus", str(tmp_path / "nope")]) == 2
     assert "usage error" in capsys.readouterr().err
+    assert conformance_main(["--corpus", str(tmp_path), "--corpus-jobs", "0"]) == 2
+    assert "--corpus-jobs must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.benchmark_data
+def test_parallel_workers_count_what_one_worker_counts(benchmark_data, tmp_path):
+    files = corpus_files(benchmark_data / "maskbench", every=600)
+    one = run_corpus(files, ["xgrammar"], "default", tmp_path / "one.jsonl", progress=None)
+    two = run_corpus(files, ["xgrammar"], "default", tmp_path / "two.jsonl", progress=None,
+                     jobs=2)
+    counted = ("compiled", "valid", "invalid", "validation_errors", "invalidation_errors",
+               "silent_invalidation_errors", "post_check_caught")
+    assert [(r.file, *(getattr(r, k) for k in counted)) for r in two] == \
+        [(r.file, *(getattr(r, k) for k in counted)) for r in one]
+    assert len((tmp_path / "two.jsonl").read_text().splitlines()) == len(files)
 
 
 def _heavy_file(tmp_path):

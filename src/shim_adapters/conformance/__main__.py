@@ -67,6 +67,9 @@ def main(argv=None) -> int:
                     help="with --corpus: one file in N, in name order (a documented subset)")
     ap.add_argument("--corpus-limit", type=int, default=None, metavar="N",
                     help="with --corpus: at most N files")
+    ap.add_argument("--corpus-jobs", type=int, default=1, metavar="N",
+                    help="with --corpus: N worker processes side by side (budgets are CPU "
+                         "time per worker, so the counts do not depend on N)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--fail-on", default=None,
                     help="comma list of failure classes that fail the run: "
@@ -203,7 +206,7 @@ def _corpus(args) -> int:
         keys = {(f.name, n) for f in files for n in names}
         rows = [r for r in rows if (r.file, r.backend) in keys]
     else:
-        rows = run_corpus(files, names, args.tokenizer, log)
+        rows = run_corpus(files, names, args.tokenizer, log, jobs=args.corpus_jobs)
     command = ("shim conformance --corpus " + args.corpus
                + (f" --backend {','.join(names)}" if args.backend else "")
                + f" --tokenizer {args.tokenizer}"
@@ -235,6 +238,10 @@ def _check_usage(args) -> None:
     if args.corpus:
         if not Path(args.corpus).is_dir():
             raise UsageError(f"--corpus: no directory {args.corpus}")
+        for flag in ("corpus_every", "corpus_jobs"):
+            if getattr(args, flag) < 1:
+                raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(args, flag)}")
         for name in (args.backend or "").split(","):
             if name and name not in installed_backends():
                 raise UsageError(f"no backend named {name!r} is installed; installed: "
