@@ -65,12 +65,12 @@ def test_parallel_workers_count_what_one_worker_counts(benchmark_data, tmp_path)
     assert len((tmp_path / "two.jsonl").read_text().splitlines()) == len(files)
 
 
-def _heavy_file(tmp_path):
+def _heavy_file(tmp_path, n: int = 60):
     """A MaskBench-format file whose walks take seconds of CPU: many long valid strings."""
     import json
 
     tests = [{"description": f"long {i}", "valid": True, "data": "word " * 300 + str(i)}
-             for i in range(60)]
+             for i in range(n)]
     path = tmp_path / "heavy.json"
     path.write_text(json.dumps({"schema": {"type": "string"}, "tests": tests}))
     return path
@@ -130,3 +130,37 @@ def test_a_wall_clock_timeout_in_an_old_log_runs_again(tmp_path):
                                "timeout_kind": None}) + "\n")
     [row] = run_corpus([path], ["xgrammar"], "default", log, progress=None)
     assert not row.timeout and row.valid == 60  # measured, not read back
+
+
+def test_a_worker_ends_when_its_parent_is_killed(tmp_path):
+    """A run killed with SIGKILL leaves no worker compiling on for the rest of its budget."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    path = _heavy_file(tmp_path, n=3000)  # a minute or more of walking
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from pathlib import Path; from shim_adapters.conformance import corpus\n"
+         "w = corpus._Worker('default'); w.start(); print(w.proc.pid, flush=True)\n"
+         f"while True: w.run(Path({str(path)!r}), 'xgrammar', timeout_s=1e3)\n"],
+        stdout=subprocess.PIPE, text=True)
+    worker_pid = int(parent.stdout.readline())
+    time.sleep(1.0)  # the worker is walking the heavy file now
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(worker_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(worker_pid, signal.SIGKILL)
+        raise AssertionError("the worker outlived its killed parent by 5 s")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 import queue
 import random
 import threading
@@ -202,8 +203,20 @@ def read_rows(log_path: str | Path) -> list[CorpusRow]:
     return list(rows.values())
 
 
-def _worker(conn, tokenizer_spec) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker once the process that started it is gone (killed, even by SIGKILL):
+    an orphaned worker would otherwise go on compiling a schema for up to its budget."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _worker(conn, tokenizer_spec, parent_pid: int) -> None:
     """A worker process: load the tokenizer once, then run the files it is sent."""
+    _exit_with_parent(parent_pid)
     tok = resolve_tokenizer(tokenizer_spec)
     vocab = Vocabulary(tok.tokenizer, tok.logits_width)
     conn.send("ready")
@@ -246,7 +259,8 @@ class _Worker:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.tokenizer_spec), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, self.tokenizer_spec, os.getpid()),
+                                daemon=True)
         self.proc.start()
         while not self.conn.poll(1.0):
             if not self.proc.is_alive():
