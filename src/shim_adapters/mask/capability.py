@@ -61,6 +61,33 @@ _LOOKAROUND = re.compile(r"\(\?(=|!|<=|<!)")
 _BACKREF = re.compile(r"\\[1-9]|\(\?P=")
 
 
+def _anchors_and_alternation(pattern: str) -> tuple[list[tuple[int, str]], bool]:
+    """(position, ``^`` or ``$``) of every anchor outside escapes and character classes, and
+    whether the pattern has an alternation outside every group (``^a|b$``)."""
+    found, i, in_class, depth, top_alternation = [], 0, False, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1:i + 2] == "^":  # a negated class, not an anchor
+                i += 1
+        elif c in "^$":
+            found.append((i, c))
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth = max(0, depth - 1)
+        elif c == "|" and depth == 0:
+            top_alternation = True
+        i += 1
+    return found, top_alternation
+
+
 def construct_name(keyword: str, value: Any) -> str:
     """The construct a keyword stands for; a ``pattern`` is split by the regex features it
     uses, since backends differ on lookarounds and backreferences, not on ``pattern``."""
@@ -69,6 +96,14 @@ def construct_name(keyword: str, value: Any) -> str:
             return f"{keyword}:lookaround"
         if _BACKREF.search(value):
             return f"{keyword}:backreference"
+        anchors, top_alternation = _anchors_and_alternation(value)
+        if any(0 < i < len(value) - 1 or (c == "^") != (i == 0) for i, c in anchors):
+            # an anchor inside the pattern (``^a$b?``): a backend may drop it
+            return f"{keyword}:inner-anchor"
+        if keyword == "pattern" and (top_alternation or not (
+                (0, "^") in anchors and (len(value) - 1, "$") in anchors)):
+            # JSON Schema searches a pattern anywhere in the string; backends match it whole
+            return "pattern:unanchored"
     if keyword == "multipleOf" and isinstance(value, (int, float)) and \
             not float(value).is_integer():
         return "multipleOf:non-integer"  # backends enforce integer steps only, if at all
@@ -382,6 +417,10 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
      "ab@cd.com"),
     ("pattern:with-format", {"type": "string", "format": "email", "pattern": "^a"}, "a@b.com",
      "b@c.com"),
+    # an anchor inside a pattern: "ab" does not match ^a$b? (the $ needs the end)
+    ("pattern:inner-anchor", {"type": "string", "pattern": "^a$b?"}, "a", "ab"),
+    # a pattern matches anywhere in the string (JSON Schema), a backend may match it whole
+    ("pattern:unanchored", {"type": "string", "pattern": "b"}, "abc", "ac"),
     # a step beside a one-sided bound: 7 is at least 0 but no multiple of 5
     ("multipleOf:with-bound", {"type": "integer", "minimum": 0, "multipleOf": 5}, 10, 7),
     # anyOf next to other keywords of the same schema: the instance must satisfy both

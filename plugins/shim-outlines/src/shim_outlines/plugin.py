@@ -43,6 +43,11 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   "length:with-format": "exact",
                   "pattern:with-format": "rejected",
                   "multipleOf:with-bound": "post-check",
+                  # an anchor inside a pattern does not compile (or, inside a group, is
+                  # matched more strictly)
+                  "pattern:inner-anchor": "rejected",
+                  # a pattern is matched whole, not searched: valid strings refused
+                  "pattern:unanchored": "stricter",
                   # outlines_core, like XGrammar's strict_mode, refuses members a schema does
                   # not list where it says nothing about additionalProperties
                   "additionalProperties:absent": "stricter",

@@ -36,6 +36,10 @@ SCHEMA_SUPPORT = {**{k: "exact" for k in _EXACT}, **{k: "post-check" for k in _P
                   # a step is kept only in a short range bounded on both sides (enumerated),
                   # dropped beside a one-sided or a wide range
                   "multipleOf:with-bound": "post-check",
+                  # "Anchor '$' in the middle of regex is ignored": ^a$b? accepts "ab"
+                  "pattern:inner-anchor": "post-check",
+                  # a pattern is matched whole, not searched: valid strings refused
+                  "pattern:unanchored": "stricter",
                   # compile_json_schema's strict_mode (on by default, kept here) refuses members
                   # a schema does not list where it says nothing about additionalProperties:
                   # valid instances refused, never an invalid one accepted
