@@ -127,6 +127,12 @@ def test_the_post_check_checks_format_and_lists_the_formats_it_can():
     uri = Grammar('{"type": "string", "format": "uri"}', "json_schema", "uri")
     assert not validate_output(uri, '"not a uri"').valid
     assert validate_output(uri, '"https://example.com/a?b=c"').valid
+    # a format a schema's older draft did not name is checked too: a draft-04 schema's "date"
+    # means a date (MaskBench Github_easy---o44373 labels "2022-02-31" invalid)
+    old = Grammar('{"$schema": "http://json-schema.org/draft-04/schema#", "type": "string", '
+                  '"format": "date"}', "json_schema", "draft4-date")
+    assert not validate_output(old, '"2022-02-31"').valid
+    assert validate_output(old, '"2022-02-28"').valid
 
 
 def test_a_format_no_checker_covers_is_reported_unchecked_not_post_checked():

@@ -330,13 +330,19 @@ class OutputCheck:
 
 
 @functools.lru_cache(maxsize=1)
-def checked_formats() -> tuple[str, ...]:
-    """The ``format`` values the post-check validates (jsonschema's FormatChecker with the
-    format libraries installed here: ``jsonschema[format-nongpl]``); any other format is
-    reported ``unchecked``."""
+def _format_checker():
+    """Every format jsonschema can check here (each draft's, with the format libraries of
+    ``jsonschema[format-nongpl]``), whatever draft a schema declares: a draft-04 schema that
+    says ``"format": "date"`` means a date, though draft 4 did not name that format."""
     import jsonschema
 
-    return tuple(sorted(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers))
+    return jsonschema.FormatChecker()
+
+
+def checked_formats() -> tuple[str, ...]:
+    """The ``format`` values the post-check validates; any other format is reported
+    ``unchecked``."""
+    return tuple(sorted(_format_checker().checkers))
 
 
 def validate_output(grammar: Grammar, text: str) -> OutputCheck:
@@ -352,7 +358,7 @@ def validate_output(grammar: Grammar, text: str) -> OutputCheck:
         schema = json.loads(grammar.text)
         # the draft the schema declares ($schema: draft-04's `dependencies`, ...), else 2020-12
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        validator = cls(schema, format_checker=_format_checker())
         problems = tuple(f"{'/' + '/'.join(map(str, e.absolute_path))}: {e.message} "
                          f"({e.validator})" for e in validator.iter_errors(value))
         return OutputCheck(not problems, problems)
