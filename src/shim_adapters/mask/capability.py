@@ -124,6 +124,12 @@ def schema_constructs(schema: Any, pointer: str = "") -> Iterator[tuple[str, str
         # both must hold; a backend may enforce only one of them
         yield pointer or "/", "pattern:with-length"
         yield pointer or "/", "length:with-pattern"
+    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if isinstance(schema.get("required"), list) and any(
+            name not in listed for name in schema["required"]):
+        # a required member the schema does not describe: backends build objects from the
+        # listed members and drop the requirement
+        yield pointer or "/", "required:unlisted"
     if "format" in schema:
         # a backend may build a format's own regex and drop the schema's other string bounds
         if "minLength" in schema or "maxLength" in schema:
@@ -423,6 +429,10 @@ SCHEMA_PROBES: tuple[tuple[str, dict, Any, Any], ...] = (
      "ab@cd.com"),
     ("pattern:with-format", {"type": "string", "format": "email", "pattern": "^a"}, "a@b.com",
      "b@c.com"),
+    # a required member not among the properties: {"a": 1} lacks b
+    ("required:unlisted", {"type": "object", "properties": {"a": {"type": "integer"}},
+                           "required": ["a", "b"], "additionalProperties": {"type": "integer"}},
+     {"a": 1, "b": 2}, {"a": 1}),
     # an anchor inside a pattern: "ab" does not match ^a$b? (the $ needs the end)
     ("pattern:inner-anchor", {"type": "string", "pattern": "^a$b?"}, "a", "ab"),
     # a pattern matches anywhere in the string (JSON Schema), a backend may match it whole
