@@ -167,3 +167,28 @@ def test_a_worker_ends_when_its_parent_is_killed(tmp_path):
     else:
         os.kill(worker_pid, signal.SIGKILL)
         raise AssertionError("the worker outlived its killed parent by 5 s")
+
+
+def test_a_row_counted_under_other_declarations_runs_again(tmp_path):
+    """A resumed run keeps a row only if the capability report it was counted under is still
+    the report of today's declarations (a construct found dropped later must not leave stale
+    counts in the log)."""
+    import json
+
+    from shim_adapters.conformance.corpus import CorpusRow, declarations
+
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({"schema": {"type": "string", "maxLength": 3},
+                                "tests": [{"valid": True, "data": "ab"},
+                                          {"valid": False, "data": "abcd"}]}))
+    current = declarations(path, "xgrammar")
+    assert current and current != declarations(path, "outlines")
+    log = tmp_path / "rows.jsonl"
+    kept = CorpusRow(path.name, "xgrammar", compiled=True, valid=7, declarations=current)
+    stale = CorpusRow(path.name, "outlines", compiled=True, valid=7, declarations="0" * 16)
+    log.write_text("".join(json.dumps(r.__dict__) + "\n" for r in (kept, stale)))
+    rows = run_corpus([path], ["xgrammar", "outlines"], "default", log, progress=None)
+    by = {r.backend: r for r in rows}
+    assert by["xgrammar"].valid == 7  # read back, not run
+    assert by["outlines"].valid == 1 and by["outlines"].invalid == 1  # run again
+    assert by["outlines"].declarations == declarations(path, "outlines")

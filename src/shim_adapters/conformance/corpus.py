@@ -49,7 +49,7 @@ from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.errors import ShimError
 from shim_adapters.grammars.grammar import Grammar
-from shim_adapters.mask.capability import capability_report, validate_output
+from shim_adapters.mask.capability import capability_report, checked_formats, validate_output
 from shim_adapters.mask.vocab import Vocabulary
 
 #: CPU seconds one file (compile and every instance) may use in its worker before it is
@@ -90,6 +90,9 @@ class CorpusRow:
     plugin_us: list[float] = field(default_factory=list)
     raw_us: list[float] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
+    #: Fingerprint of the capability report the row was counted under (see
+    #: :func:`declarations`): a resumed run counts again a row whose report has changed since.
+    declarations: str | None = None
 
 
 def corpus_files(directory: str | Path, limit: int | None = None,
@@ -218,6 +221,21 @@ def run_file(path: Path, backend: str, tokenizer, logits_width: int,
     row.plugin_us = [round(x, 1) for x in row.plugin_us]
     row.raw_us = [round(x, 1) for x in row.raw_us]
     return row
+
+
+def declarations(path: Path, backend: str) -> str | None:
+    """A fingerprint of what decides a row's classes besides the backend's behaviour: the
+    capability report of the file's schema on ``backend`` (the constructs and their declared
+    support) and the formats the post-check checks. None where no report can be made."""
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))["schema"]
+        report = capability_report(Grammar(json.dumps(schema), "json_schema", path.name),
+                                   get_backend(backend))
+    except (OSError, ValueError, KeyError, TypeError, ShimError):
+        return None
+    payload = json.dumps({"report": report.as_dict(), "formats": checked_formats()},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def read_rows(log_path: str | Path) -> list[CorpusRow]:
@@ -352,12 +370,17 @@ def run_corpus(files: Iterable[Path], backends: Sequence[str], tokenizer_spec="d
     if jobs < 1:
         raise ValueError(f"run_corpus: jobs must be at least 1, got {jobs}")
     files = list(files)
+    current = {(path.name, backend): declarations(path, backend)
+               for path in files for backend in backends}
     done: dict[tuple[str, str], CorpusRow] = {}
     if log_path is not None and Path(log_path).exists():
         # a timeout without its kind was a wall-clock cap, which depends on the machine's
-        # load: not a measurement of the file, so it runs again under the CPU budget
+        # load: not a measurement of the file, so it runs again under the CPU budget; a row
+        # counted under other declarations (a construct since found to be dropped, a format
+        # since checked) runs again too
         done = {(row.file, row.backend): row for row in read_rows(log_path)
-                if not (row.timeout and row.timeout_kind is None)}
+                if not (row.timeout and row.timeout_kind is None)
+                and row.declarations == current.get((row.file, row.backend))}
     todo = [(path, backend) for path in files for backend in backends
             if (path.name, backend) not in done]
     idle: queue.Queue[_Worker] = queue.Queue()
@@ -373,6 +396,7 @@ def run_corpus(files: Iterable[Path], backends: Sequence[str], tokenizer_spec="d
             row = worker.run(path, backend, file_timeout_s)
         finally:
             idle.put(worker)
+        row.declarations = current[(path.name, backend)]
         with record:  # one writer at a time: every log line is a whole row
             if log_path is not None:
                 Path(log_path).parent.mkdir(parents=True, exist_ok=True)
