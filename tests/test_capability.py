@@ -171,3 +171,23 @@ def test_the_post_check_reads_the_draft_the_schema_declares():
     grammar = Grammar(json.dumps(schema), "json_schema", "order")
     assert not validate_output(grammar, '{"shipTo": "x"}').valid  # draft-04 `dependencies`
     assert validate_output(grammar, '{"shipTo": "x", "shipAddress": "y"}').valid
+
+
+@pytest.mark.parametrize("pattern, construct", [
+    ("^[a-z]+$", "pattern"),
+    ("^(a|b)$", "pattern"),
+    ("^[^$]+$", "pattern"),          # a $ inside a class is a character
+    ("^\\$a$", "pattern"),          # an escaped $ is a character
+    ("^[a|b]$", "pattern"),          # a | inside a class is a character
+    ("[^a]+", "pattern:unanchored"),  # a negated class is no anchor
+    ("abc", "pattern:unanchored"),
+    ("^abc", "pattern:unanchored"),
+    ("^a|b$", "pattern:unanchored"),  # each anchor holds for one branch only
+    ("^a$b?", "pattern:inner-anchor"),
+    ("x?^b$", "pattern:inner-anchor"),
+    ("^(a($|/))*$", "pattern:inner-anchor"),
+])
+def test_a_pattern_is_named_by_its_anchors(pattern, construct):
+    from shim_adapters.mask.capability import construct_name
+
+    assert construct_name("pattern", pattern) == construct

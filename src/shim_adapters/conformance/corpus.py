@@ -49,6 +49,7 @@ from shim_adapters.backends.registry import get_backend
 from shim_adapters.conformance.runner import resolve_tokenizer
 from shim_adapters.errors import ShimError
 from shim_adapters.grammars.grammar import Grammar
+from shim_adapters.mask.bitmask import bitmask_words
 from shim_adapters.mask.capability import capability_report, checked_formats, validate_output
 from shim_adapters.mask.vocab import Vocabulary
 
@@ -152,7 +153,7 @@ def _raw_outlines(masker, ids: Sequence[int]) -> list[float]:
     import outlines_core  # only for the raw baseline of the outlines backend
 
     guide = outlines_core.Guide(index)
-    words = np.zeros((masker.vocab_size + 31) // 32, dtype=np.int32)
+    words = np.zeros(bitmask_words(masker.vocab_size), dtype=np.int32)
     out = []
     for t in ids:
         t0 = time.perf_counter()

@@ -97,11 +97,11 @@ def construct_name(keyword: str, value: Any) -> str:
         if _BACKREF.search(value):
             return f"{keyword}:backreference"
         anchors, top_alternation = _anchors_and_alternation(value)
-        if any(0 < i < len(value) - 1 or (c == "^") != (i == 0) for i, c in anchors):
+        ends = {(0, "^"), (len(value) - 1, "$")}
+        if any(anchor not in ends for anchor in anchors):
             # an anchor inside the pattern (``^a$b?``): a backend may drop it
             return f"{keyword}:inner-anchor"
-        if keyword == "pattern" and (top_alternation or not (
-                (0, "^") in anchors and (len(value) - 1, "$") in anchors)):
+        if keyword == "pattern" and (top_alternation or not ends <= set(anchors)):
             # JSON Schema searches a pattern anywhere in the string; backends match it whole
             return "pattern:unanchored"
     if keyword == "multipleOf" and isinstance(value, (int, float)) and \
