@@ -27,7 +27,7 @@ import torch
 from shim_adapters.backends.registry import get_backend
 from shim_adapters.evaluation import EvalReport, load_suite
 from shim_adapters.lm.loading import load_lm
-from shim_adapters.lm.views import gqa_without_copies, stop_folded
+from shim_adapters.lm.views import stop_folded
 from shim_adapters.shim.artefact import load_controller
 from shim_adapters.evaluation.importance import exact_samples
 
@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     names = a.cases.split(",") if a.cases else list(by_name)
     suite = load_suite(a.suite, a.data_dir).select(names, None)
     lm = load_lm(a.lm)
-    gqa_without_copies(lm)
     spec = get_backend(a.backend)
     kinds = [k for k in a.controllers.split(",") if k]
     results = []

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from shim_adapters.evaluation.timing import PhaseTimer
     from shim_adapters.lm.loading import load_lm
     from shim_adapters.lm.sampling import prefill, sample
-    from shim_adapters.lm.views import gqa_without_copies, stop_folded
+    from shim_adapters.lm.views import stop_folded
     from shim_adapters.shim.training_data import sample_training_data
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     case = load_suite("bv4", a.data).select([a.case]).cases[0]
     lm = load_lm(a.lm)
-    gqa_without_copies(lm)
     masker = get_backend("xgrammar").compile(case.grammar, lm.tokenizer, lm.vocab_size)
     lm = stop_folded(lm, masker.eos_token_ids)
     old = None
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AttentionInterface
 
-    from shim_adapters.evaluation import lm_views
+    from shim_adapters.lm import views as lm_views
 
     def use(views) -> None:  # each package's attention reads its own SplitKV class
         AttentionInterface.register(lm_views.GQA_ATTENTION, views._attention_with_split)

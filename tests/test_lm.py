@@ -94,6 +94,46 @@ def test_tokens_beyond_the_logits_width_are_refused(tmp_path):
     assert str(target) in message
 
 
+def test_a_grouped_query_lm_loads_with_in_place_attention_and_a_shared_prompt_cache(
+        tmp_path, lm):
+    """Every path through load_lm (shim fit included, not only the evaluation) samples with the
+    KV cache read in place and one copy of the prompt's KV per batch; the log-probabilities are
+    the stock attention's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shim_adapters.lm.sampling import prefill
+    from shim_adapters.lm.views import GQA_ATTENTION, SharedPrefixCache, uses_split_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=lm.vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, attn_implementation="sdpa")
+    stock = LlamaForCausalLM(config).eval()
+    target = tmp_path / "gqa-lm"
+    stock.save_pretrained(target)
+    lm.tokenizer.save_pretrained(target)
+    loaded = load_lm(target)
+    assert loaded.model.config._attn_implementation == GQA_ATTENTION
+    assert uses_split_attention(loaded.model)
+    assert isinstance(prefill(loaded, "SELECT").cache(3), SharedPrefixCache)
+    ids = lm.tokenizer("SELECT name FROM singer WHERE age >", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = torch.log_softmax(stock(ids).logits, -1)
+        got = torch.log_softmax(loaded.model(ids).logits, -1)
+        # one decode step through each model's own cache: the path rollouts take
+        step = torch.tensor([[ids[0, -1].item()]])
+        past_stock = stock(ids[:, :-1], use_cache=True).past_key_values
+        past_loaded = loaded.model(ids[:, :-1], use_cache=True).past_key_values
+        expected_step = stock(step, past_key_values=past_stock).logits
+        got_step = loaded.model(step, past_key_values=past_loaded).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_step, expected_step, atol=1e-4, rtol=1e-4)
+
+
+def test_an_lm_without_grouped_heads_keeps_its_attention(lm):
+    assert lm.model.config._attn_implementation != "sdpa_gqa"
+
+
 def test_unknown_spec_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         load_lm(tmp_path / "no-such-model")

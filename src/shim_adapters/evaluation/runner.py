@@ -41,7 +41,6 @@ from shim_adapters.evaluation.timing import PhaseTimer, peak_rss_mib
 from shim_adapters.grammars.reference import reference_acceptor
 from shim_adapters.lm.loading import load_lm
 from shim_adapters.lm.sampling import eos_ids, sample
-from shim_adapters.lm.views import gqa_without_copies
 from shim_adapters.mask.protocol import Masker
 from shim_adapters.shim.artefact import (
     load_controller,
@@ -235,7 +234,6 @@ def run_eval(suite: str | Path | Suite, lm_spec: str | None = None, backend: str
         list(opts.cases) if opts.cases else None, opts.limit)
     start = time.perf_counter()
     lm = load_lm(lm_spec)
-    gqa_without_copies(lm)  # same arithmetic; the KV cache is no longer copied per head
     spec = get_backend(backend)
     report = EvalReport(
         suite=suite_obj.name,
