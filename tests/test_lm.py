@@ -131,7 +131,9 @@ def test_a_grouped_query_lm_loads_with_in_place_attention_and_a_shared_prompt_ca
 
 
 def test_an_lm_without_grouped_heads_keeps_its_attention(lm):
-    assert lm.model.config._attn_implementation != "sdpa_gqa"
+    from shim_adapters.lm.views import GQA_ATTENTION
+
+    assert lm.model.config._attn_implementation != GQA_ATTENTION
 
 
 def test_unknown_spec_is_a_clear_error(tmp_path):
