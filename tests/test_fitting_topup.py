@@ -17,7 +17,12 @@ import torch
 from shim_adapters.backends.registry import get_backend
 from shim_adapters.grammars.grammar import builtin_grammar
 from shim_adapters.shim.artefact import load_controller
-from shim_adapters.shim.fitting import fit_controller
+from shim_adapters.shim.fitting import (
+    FitRecipe,
+    fit_controller,
+    fit_with_recipe,
+    topup_stalled,
+)
 from shim_adapters.shim.targets import (
     effective_sample_size,
     masked_row_logprob,
@@ -39,10 +44,12 @@ def bv4(shipped_lm):
 
 @pytest.fixture(scope="module")
 def thin_fit(shipped_lm, bv4, tmp_path_factory):
-    """A floor no pool can reach: the fit tops up until the cap is spent."""
+    """A floor no pool can reach, with the stall rule off: the fit tops up until the cap is
+    spent."""
     out = tmp_path_factory.mktemp("thin")
-    c, manifest = fit_controller(shipped_lm, bv4, n_samples=40, max_samples=100,
-                                 progress=False, output_dir=out, min_target_samples=1e9, **FAST)
+    recipe = FitRecipe(n_samples=40, max_samples=100, progress=False, topup_stall_margin=None,
+                       controller_params=dict(min_target_samples=1e9, **FAST))
+    c, manifest = fit_with_recipe(shipped_lm, bv4, recipe, output_dir=out)
     return c, manifest, out
 
 
@@ -73,6 +80,46 @@ def test_thin_evidence_tops_up_from_the_untrusted_fit_until_the_cap(thin_fit):
     # the time on this prompt)
     assert abs(t["p_valid_estimate_pooled"] - t["p_valid_estimate"]) < 0.15
     assert 0.3 < t["p_valid_estimate_pooled"] < 0.8
+
+
+def test_top_ups_that_cannot_reach_the_floor_stop_after_the_first(shipped_lm, bv4):
+    # the same unreachable floor with the stall rule on (the default): the first top-up shows
+    # how fast the evidence grows, and at twice that rate the cap is nowhere near the floor
+    c, manifest = fit_controller(shipped_lm, bv4, n_samples=40, max_samples=100,
+                                 progress=False, min_target_samples=1e9, **FAST)
+    t = manifest["training"]
+    assert [r["kind"] for r in t["rounds"]] == ["first draw", "top-up"]
+    assert t["lm_samples_total"] == 80 < t["max_samples"] == 100
+    assert t["rounds"][-1]["stalled"].startswith("stalled: held-out ESS")
+    assert "short of 1e+09" in t["rounds"][-1]["stalled"]
+    assert c.falls_back_to_masking_ and c.fallback_reason_ == "low_target_samples"
+
+
+def _topup(before: float, after: float, drawn: int, total: int) -> dict:
+    return {"heldout_ess_before": before, "heldout_ess_after": after, "lm_samples": drawn,
+            "lm_samples_total": total}
+
+
+@pytest.mark.parametrize("before, after, floor, band, stalled", [
+    (1.98, 1.91, 10, 1.0, True),    # no growth: SLIA name-combine-2-long-repeat's first top-up
+    (3.43, 6.69, 10, 1.0, False),   # 3.3 per 300 samples, doubled over 400 more: reaches 10
+    (3.43, 5.00, 10, 1.0, True),    # 1.6 per 300, doubled over 400: 9.2, short of 10
+    (12.0, 13.0, 10, 2.0, True),    # inside the band: the band's top (20) is what is sought
+    (12.0, 16.0, 10, 2.0, False),
+])
+def test_a_top_up_stalls_when_twice_its_growth_cannot_reach_what_is_sought(
+        before, after, floor, band, stalled):
+    recipe = FitRecipe(evidence_band=band)
+    reason = topup_stalled(_topup(before, after, 300, 600), floor, recipe, cap=1000)
+    assert (reason is not None) == stalled, reason
+    # without the rule nothing stalls
+    off = FitRecipe(evidence_band=band, topup_stall_margin=None)
+    assert topup_stalled(_topup(before, after, 300, 600), floor, off, cap=1000) is None
+
+
+def test_a_stall_margin_must_be_positive():
+    with pytest.raises(ValueError, match="topup_stall_margin must be > 0"):
+        FitRecipe(topup_stall_margin=0.0)
 
 
 def test_the_top_up_record_round_trips_through_the_artefact(thin_fit, bv4, shipped_lm):
@@ -183,15 +230,10 @@ def test_pooled_target_weights_use_every_proposal(pooled):
 def test_a_masking_only_source_tops_up_with_masked_rollouts(shipped_lm, bv4):
     """An engine samples masking only (``draws_controllers`` False): the top-ups still run,
     drawing masked rollouts, and the controller is never asked to propose."""
-    from shim_adapters.shim.fitting import (
-        FitRecipe,
-        InProcessRollouts,
-        prepare_prompt,
-        run_recipe,
-    )
+    from shim_adapters.shim.fitting import InProcessRollouts, prepare_prompt, run_recipe
 
     recipe = FitRecipe(n_samples=30, max_samples=70, target="rollout", progress=False,
-                       stop_at_newline=False, seed=4,
+                       stop_at_newline=False, seed=4, topup_stall_margin=None,
                        controller_params=dict(FAST, min_target_samples=1e9))
     prepared = prepare_prompt(shipped_lm, bv4, bv4.grammar.default_prompt, recipe)
     source = InProcessRollouts(prepared.lm, bv4, prepared.prefilled, progress=False)

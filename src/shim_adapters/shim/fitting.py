@@ -34,6 +34,14 @@ The recipe depends on the regime, and the regime is measured, not guessed:
    the evidence thin (both ESS are recorded). As the later proposals were fitted on the earlier
    draws, this is adaptive multiple importance sampling: consistent, not exactly unbiased.
    The fallback to masking is unchanged: an untrusted fit still serves β = 0.
+   Top-ups stop early when they stall: after a top-up, the held-out ESS it gained per LM
+   sample, carried over the samples left under the cap and doubled (``topup_stall_margin``),
+   must still reach what is sought (the floor, or the band's top when inside the band). Where
+   the LM is hopelessly rarely valid (SLIA ``name-combine-2-long-repeat``: ESS 1.98 -> 1.90
+   over a 300-sample top-up) this saves the rest of the cap; applied to every top-up recorded
+   in ``reports/`` it changes no decision (``benchmarks/topup_stall_replay.py``,
+   ``reports/topup-stall``). The first top-up is always drawn: its proposal is
+   the fit, not masking, and moved the ESS 2.1 -> 64 on BV4 ``find_inv_bvugt_bvurem1``.
 Costs are counted as CARS does: LM positions evaluated (``forward_tokens``) per valid sample.
 """
 
@@ -145,6 +153,10 @@ class FitRecipe:
     #: ``"off"``, ``"on"`` or ``"auto"`` (fit both on the first draw, keep the one with the
     #: better held-out score; recorded in ``training.features``).
     text_features: str = "off"
+    #: Top-ups stop once one has stalled (module docstring, item 5): the held-out ESS it gained
+    #: per LM sample, over the samples left under the cap and times this margin, would not
+    #: reach what is sought. None: top up until the criterion decides or the cap is spent.
+    topup_stall_margin: float | None = 2.0
     controller_params: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -168,6 +180,9 @@ class FitRecipe:
         if not self.evidence_band >= 1.0:
             raise ValueError(f"evidence_band must be >= 1 (1: decide at the floor), got "
                              f"{self.evidence_band}")
+        if self.topup_stall_margin is not None and not self.topup_stall_margin > 0:
+            raise ValueError(f"topup_stall_margin must be > 0 (or None: never stop early), "
+                             f"got {self.topup_stall_margin}")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be >= 1 (or None: no top-ups), got "
                              f"{self.max_samples}")
@@ -612,6 +627,32 @@ def _refit_rounds(fit: _Fit, recipe: FitRecipe, rollouts: Rollouts, sizes: list[
         fit.history.append(entry)
         if keep:
             fit.controller, fit.targets = candidate, fit.pooled
+        if not regular and _is_thin(fit, recipe) and fit.spent < fit.cap:
+            stall = topup_stalled(entry, fit.controller.min_target_samples, recipe, fit.cap)
+            if stall is not None:
+                entry["stalled"] = stall
+                log.warning("top-ups stopped: %s; %s", stall, fit.controller.decision_)
+                return
+
+
+def topup_stalled(entry: Mapping[str, Any], floor: float, recipe: FitRecipe,
+                  cap: int) -> str | None:
+    """Why more top-ups are not worth drawing after the top-up ``entry`` (a ``training.rounds``
+    record), or None. The ESS sought is the floor, or ``evidence_band`` x the floor once the
+    floor is reached; the ESS the top-up gained per LM sample, carried over the ``cap``'s
+    remaining samples and times ``recipe.topup_stall_margin``, must reach it."""
+    if recipe.topup_stall_margin is None:
+        return None
+    before, after = entry["heldout_ess_before"], entry["heldout_ess_after"]
+    spent, drawn = entry["lm_samples_total"], entry["lm_samples"]
+    sought = floor if after < floor else recipe.evidence_band * floor
+    rate = max(after - before, 0.0) / max(drawn, 1)
+    reach = after + recipe.topup_stall_margin * rate * max(cap - spent, 0)
+    if reach >= sought:
+        return None
+    return (f"stalled: held-out ESS {before:.3g} -> {after:.3g} over {drawn} LM samples; at "
+            f"{recipe.topup_stall_margin:g}x that rate the cap of {cap} would reach "
+            f"{reach:.3g}, short of {sought:g}")
 
 
 def _judge_round(r: int, fit: _Fit, fresh, candidate) -> tuple[bool, dict]:
